@@ -1,0 +1,48 @@
+"""Shared fixtures: the real tokenizers in ../shared/tokenizers (HF hub names when shared/ is absent)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("TITO_SHARED_DIR", REPO.parent / "shared"))
+HUB_NAMES = {"qwen3": "Qwen/Qwen3-8B", "qwen2.5": "Qwen/Qwen2.5-7B-Instruct"}
+
+
+def tokenizer_path(family: str) -> str:
+    local = SHARED / "tokenizers" / family
+    return str(local) if local.is_dir() else HUB_NAMES[family]
+
+
+@functools.cache
+def cached_tokenizer(family: str):
+    from tito_addon.token_engine import load_tokenizer
+
+    return load_tokenizer(tokenizer_path(family), trust_remote_code=False)
+
+
+@functools.cache
+def cached_engine(tokenizer_family: str, family: str = "", roles: tuple[str, ...] = ("tool", "user", "system")):
+    from tito_addon.model_families import FAMILIES
+    from tito_addon.token_engine import TokenEngine
+
+    return TokenEngine(
+        cached_tokenizer(tokenizer_family),
+        FAMILIES[family or tokenizer_family],
+        append_roles=roles,
+        tokenizer_name=tokenizer_path(tokenizer_family),
+    )
+
+
+@pytest.fixture
+def qwen3_engine():
+    return cached_engine("qwen3")
+
+
+@pytest.fixture
+def qwen25_engine():
+    return cached_engine("qwen2.5")

@@ -1,0 +1,181 @@
+"""The mitmproxy addon: a thin shell that hands chat-completion flows to the turn service.
+
+Lifecycle hooks stay synchronous (an async `configure`/`running`/`done` silently breaks script hot
+reload); only `request` is async. Every chat flow is answered by the addon itself: an unexpected
+exception becomes a 500 JSON reply, because mitmproxy would otherwise forward the raw request upstream.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.proxy.mode_specs import ReverseMode
+from mitmproxy.utils import asyncio_utils
+from pydantic import ValidationError
+
+from tito_addon.model_families import FAMILIES
+from tito_addon.sglang_backend import SglangBackend
+from tito_addon.session_tree import SessionStore
+from tito_addon.tito_errors import TitoError
+from tito_addon.tito_settings import TitoSettings, backend_url_from_env, normalize_backend_url
+from tito_addon.token_engine import TokenEngine, load_tokenizer
+from tito_addon.trajectory_recorder import TrajectoryRecorder
+from tito_addon.turn_service import HttpReply, TurnService, is_chat_path, json_reply, strip_session_prefix
+from tito_addon.upstream_client import UpstreamClient
+
+logger = logging.getLogger(__name__)
+
+# Options whose change needs a new token engine (and so a new tokenizer load).
+ENGINE_OPTIONS = {
+    "tito_tokenizer", "tito_model_family", "tito_append_roles", "tito_chat_template_kwargs", "tito_trust_remote_code",
+}  # fmt: skip
+
+
+class TitoAddon:
+    """Rewrites each agent chat turn into a token-exact backend turn and records the trajectory."""
+
+    def __init__(self) -> None:
+        self.settings: TitoSettings | None = None
+        self.engine: TokenEngine | None = None
+        self.store = SessionStore()
+        self.client = UpstreamClient()
+        self.service: TurnService | None = None
+
+    def load(self, loader: Any) -> None:
+        loader.add_option("tito_backend_kind", str, "sglang", "Backend protocol: sglang.")
+        loader.add_option(
+            "tito_backend_url",
+            str,
+            "",
+            "Backend base URL. Default: the reverse-mode target, else $TITO_BACKEND_URL, $SGLANG_BASE_URL, "
+            "$VLLM_BASE_URL, else the request's own target.",
+        )
+        loader.add_option("tito_tokenizer", str, "", "Tokenizer: a Hugging Face model name or a local directory.")
+        loader.add_option(
+            "tito_model_family", str, "default", f"Boundary and template rules: {', '.join(FAMILIES)}."
+        )
+        loader.add_option("tito_record_dir", str, "recordings", "Directory for the per-session JSONL trajectories.")
+        loader.add_option(
+            "tito_append_roles", str, "tool,user,system", "Comma-separated roles a request may append to a stored turn."
+        )
+        loader.add_option(
+            "tito_chat_template_kwargs", str, "", "JSON object of chat template kwargs applied to every render."
+        )
+        loader.add_option("tito_session_header", str, "x-session-id", "Request header that names the session.")
+        loader.add_option(
+            "tito_trust_remote_code", bool, False, "Allow the tokenizer to run code from its repository."
+        )
+        loader.add_option("tito_upstream_timeout", int, 600, "Seconds to wait for the backend before answering 504.")
+
+    def configure(self, updated: set[str]) -> None:
+        if not any(name.startswith("tito_") for name in updated):
+            return
+        opts = ctx.options
+        try:
+            settings = TitoSettings(
+                backend_kind=opts.tito_backend_kind,
+                backend_url=opts.tito_backend_url or None,
+                tokenizer=opts.tito_tokenizer,
+                model_family=opts.tito_model_family,
+                record_dir=opts.tito_record_dir,
+                append_roles=opts.tito_append_roles,
+                chat_template_kwargs=opts.tito_chat_template_kwargs,
+                session_header=opts.tito_session_header,
+                trust_remote_code=opts.tito_trust_remote_code,
+                upstream_timeout=opts.tito_upstream_timeout,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            option = "tito_" + str(first["loc"][0]) if first.get("loc") else "tito options"
+            if option == "tito_tokenizer" and not opts.tito_tokenizer:
+                raise exceptions.OptionsError(
+                    "tito_tokenizer is required: --set tito_tokenizer=<HF model name or local tokenizer dir>"
+                ) from exc
+            raise exceptions.OptionsError(f"invalid {option}: {first['msg']}") from exc
+        engine = self.engine
+        if engine is None or updated & ENGINE_OPTIONS:
+            engine = self._build_engine(settings)
+        self.client.timeout_s = settings.upstream_timeout
+        self.settings = settings
+        self.engine = engine
+        self.service = TurnService(
+            engine,
+            SglangBackend(self.client),
+            self.store,
+            TrajectoryRecorder(settings.record_dir),
+            session_header=settings.session_header,
+        )
+        logger.info(
+            "tito: %s backend, tokenizer %s, family %s, recording to %s",
+            settings.backend_kind,
+            settings.tokenizer,
+            settings.model_family,
+            settings.record_dir,
+        )
+
+    @staticmethod
+    def _build_engine(settings: TitoSettings) -> TokenEngine:
+        try:
+            tokenizer = load_tokenizer(settings.tokenizer, trust_remote_code=settings.trust_remote_code)
+        except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+            raise exceptions.OptionsError(f"cannot load tokenizer {settings.tokenizer!r}: {exc}") from exc
+        try:
+            engine = TokenEngine(
+                tokenizer,
+                FAMILIES[settings.model_family],
+                append_roles=settings.append_roles,
+                pinned_kwargs=settings.chat_template_kwargs,
+                tokenizer_name=settings.tokenizer,
+            )
+            engine.check_append_only()
+        except (ValueError, TitoError) as exc:
+            raise exceptions.OptionsError(f"tito: {exc}") from exc
+        return engine
+
+    def backend_base_url(self, flow: http.HTTPFlow) -> str:
+        assert self.settings is not None
+        if self.settings.backend_url:
+            return self.settings.backend_url
+        own_target = normalize_backend_url(f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}")
+        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+            return own_target
+        return backend_url_from_env() or own_target
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.error is not None or not flow.live:
+            return
+        if getattr(ctx.options, "server_replay", None):
+            return  # mitmproxy's own replay answers this flow
+        path = flow.request.path
+        if flow.request.method != "POST" or not is_chat_path(path):
+            if path.startswith("/sessions/"):
+                flow.request.path = strip_session_prefix(path)
+            return
+        try:
+            reply = await self._serve(flow)
+        except Exception:
+            logger.exception("tito: unexpected failure")
+            reply = json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+        flow.response = http.Response.make(reply.status, reply.body, reply.headers)
+        if reply.metadata:
+            flow.metadata["tito"] = reply.metadata
+
+    async def _serve(self, flow: http.HTTPFlow) -> HttpReply:
+        if self.service is None:
+            return json_reply(503, TitoError("tito_addon is not configured", status=503).body())
+        try:
+            body = flow.request.content or b""
+        except ValueError:
+            return json_reply(400, TitoError("request body has an invalid content-encoding", status=400).body())
+        headers = {k: v for k, v in flow.request.headers.items()}
+        return await self.service.handle(flow.request.path, headers, body, self.backend_base_url(flow))
+
+    def done(self) -> None:
+        if self.service is not None:
+            self.service.close_all("shutdown")
+        try:
+            asyncio_utils.create_task(self.client.close(), name="tito-close-upstream", keep_ref=True)
+        except RuntimeError:
+            pass  # no running loop: the process is exiting anyway

@@ -1,0 +1,86 @@
+"""`python -m tito_addon`: run mitmdump with the addon, or one of the subcommands.
+
+    python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
+    python -m tito_addon show RECORD_DIR [--json]  print recorded turns
+    python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
+    python -m tito_addon demo                      an end-to-end capture against the reference backend
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tito_addon.record_reader import RecordError, iter_session_files
+
+SUBCOMMANDS = ("show", "reference-backend", "demo")
+
+
+def run_mitmdump(args: list[str]) -> int:
+    from mitmproxy.tools.main import mitmdump
+
+    script = str(Path(__file__).resolve().parent / "__init__.py")
+    # Lazy upstream connections: the addon answers chat turns itself, so a down or absent upstream must
+    # not close the client's connection before the addon sees the request.
+    mitmdump(["-s", script, "--set", "connection_strategy=lazy", *args])
+    return 0
+
+
+def show(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tito_addon show", description="Print recorded turns.")
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="one JSON object per turn, with full prompt ids")
+    args = parser.parse_args(argv)
+    try:
+        files = list(iter_session_files(args.record_dir))
+        for session_file in files:
+            ids = session_file.full_ids()
+            for turn in session_file.turns:
+                prompt, completion = ids[turn.turn_id]
+                if args.json:
+                    row = {
+                        "session_id": turn.session_id,
+                        "turn_id": turn.turn_id,
+                        "parent_turn_id": turn.parent_turn_id,
+                        "prompt_ids": prompt,
+                        "completion_ids": completion,
+                        "completion_logprobs": turn.completion_logprobs,
+                        "finish_reason": turn.finish_reason,
+                    }
+                    print(json.dumps(row, ensure_ascii=False))
+                else:
+                    message = turn.assistant_message
+                    text = (message.get("content") or "").replace("\n", " ")
+                    calls = [c.get("function", {}).get("name") for c in message.get("tool_calls") or []]
+                    summary = text[:60] + ("…" if len(text) > 60 else "")
+                    if calls:
+                        summary = (summary + " " if summary else "") + f"→ {', '.join(calls)}()"
+                    print(
+                        f"{turn.session_id[:16]:16} turn {turn.turn_id:>3} ← {str(turn.parent_turn_id):>4}  "
+                        f"prompt {len(prompt):>6} (+{len(turn.prompt_added_ids)})  completion {len(completion):>5}  "
+                        f"{turn.finish_reason or '-':10} {summary}"
+                    )
+            if not args.json:
+                closed = f", closed ({session_file.closes[-1].reason})" if session_file.closes else ""
+                print(f"  {session_file.path.name}: {len(session_file.turns)} turns{closed}")
+    except RecordError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "show":
+        return show(argv[1:])
+    if argv and argv[0] == "reference-backend":
+        from tito_addon.reference_backend import main as reference_main
+
+        return reference_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from tito_addon.demo_run import main as demo_main
+
+        return demo_main(argv[1:])
+    return run_mitmdump(argv)

@@ -1,0 +1,57 @@
+"""How messages are compared (to find the stored turn a request extends) and prepared for a template.
+
+Matching compares role, content, tool calls (id, name and parsed arguments) and, separately, reasoning:
+clients drop or rename reasoning when they echo an assistant message, so a side without reasoning matches
+and `reasoning_content`/`reasoning` are one key. null, "" and [] are equal; whitespace is significant.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tito_addon.wire_models import ChatMessage, parse_arguments
+
+MessageKey = tuple[Any, ...]
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def message_key(message: ChatMessage) -> MessageKey:
+    """Hashable identity of a message, reasoning excluded (see `reasoning_matches`)."""
+    text = message.text() or None
+    calls: tuple[tuple[str | None, str, str], ...] | None = None
+    if message.tool_calls:
+        calls = tuple(
+            (call.id or None, call.function.name, _canonical_json(parse_arguments(call.function.arguments)))
+            for call in message.tool_calls
+        )
+    return (message.role, text, calls)
+
+
+def reasoning_matches(stored: str | None, incoming: str | None) -> bool:
+    return not stored or not incoming or stored == incoming
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """The dict a chat template sees: content as a string, arguments parsed, reasoning under one key."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    reasoning = message.reasoning_text()
+    if reasoning is not None and message.role == "assistant":
+        rendered["reasoning_content"] = reasoning
+    return rendered

@@ -1,0 +1,74 @@
+"""The on-disk record format: one JSON object per line, one file per session.
+
+A turn line stores only the prompt ids added since its parent turn (`prompt_added_ids`) plus the full
+prompt length, so a session's file grows linearly with its tokens; the full prompt of any turn is the
+parent chain's added ids and completions, concatenated (see `record_reader`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TURN_SCHEMA = "tito.turn.v1"
+CLOSE_SCHEMA = "tito.session_close.v1"
+
+
+class TokenizerInfo(BaseModel):
+    name: str
+    tokenizer_sha256: str
+    template_sha256: str
+    family: str
+
+
+class SegmentSpan(BaseModel):
+    source: str
+    start: int
+    end: int
+
+
+class TurnRecord(BaseModel):
+    """One committed turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_: Literal["tito.turn.v1"] = Field(default=TURN_SCHEMA, alias="schema")
+    session_id: str
+    turn_id: int
+    parent_turn_id: int | None
+    ts: float
+    model: str | None
+    backend_kind: str
+    request_id: str | None = None
+    sampling: dict[str, Any]
+    chat_template_kwargs: dict[str, Any]
+    # Tools are written when they differ from the parent turn's (hash on every line).
+    tools_sha256: str | None
+    tools: list[dict[str, Any]] | None = None
+    # Messages the request added after the parent turn's history (the whole request for a first turn).
+    appended_messages: list[dict[str, Any]]
+    prompt_added_ids: list[int]
+    prompt_segments: list[SegmentSpan]
+    prompt_len: int
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    assistant_message: dict[str, Any]
+    finish_reason: str | None
+    ambiguous_parent: bool = False
+    tokenizer: TokenizerInfo
+
+    def dump_line(self) -> str:
+        # allow_nan=False: a NaN or Infinity must never reach a trainer disguised as JSON.
+        return json.dumps(self.model_dump(by_alias=True), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class SessionCloseRecord(BaseModel):
+    """The last line of a session file: why it was closed."""
+
+    schema_: Literal["tito.session_close.v1"] = Field(default=CLOSE_SCHEMA, alias="schema")
+    session_id: str
+    turns: int
+    reason: Literal["idle", "evicted", "shutdown"]
+    ts: float

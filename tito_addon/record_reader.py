@@ -1,0 +1,89 @@
+"""Reads session files back and reconstructs every turn's full prompt ids from the parent chain.
+
+A torn last line (a crash mid-write) is reported and skipped, never merged with the next line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from pydantic import ValidationError
+
+from tito_addon.record_models import CLOSE_SCHEMA, TURN_SCHEMA, SessionCloseRecord, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+
+class RecordError(ValueError):
+    """A recording that cannot be read as a consistent trajectory."""
+
+
+@dataclass
+class SessionFile:
+    path: Path
+    turns: list[TurnRecord] = field(default_factory=list)
+    closes: list[SessionCloseRecord] = field(default_factory=list)
+    skipped_lines: list[int] = field(default_factory=list)
+
+    def full_ids(self) -> dict[int, tuple[list[int], list[int]]]:
+        """turn_id -> (prompt ids, completion ids), rebuilt from each turn's added ids."""
+        ends: dict[int, list[int]] = {}
+        out: dict[int, tuple[list[int], list[int]]] = {}
+        for turn in self.turns:  # file order is commit order, so a parent always precedes its children
+            if turn.parent_turn_id is None:
+                prompt = list(turn.prompt_added_ids)
+            else:
+                if turn.parent_turn_id not in ends:
+                    raise RecordError(
+                        f"{self.path}: turn {turn.turn_id} extends turn {turn.parent_turn_id}, which is not recorded"
+                    )
+                prompt = ends[turn.parent_turn_id] + turn.prompt_added_ids
+            if len(prompt) != turn.prompt_len:
+                raise RecordError(
+                    f"{self.path}: turn {turn.turn_id} rebuilds to {len(prompt)} prompt ids, recorded {turn.prompt_len}"
+                )
+            ends[turn.turn_id] = prompt + turn.completion_ids
+            out[turn.turn_id] = (prompt, list(turn.completion_ids))
+        return out
+
+
+def read_session_file(path: Path) -> SessionFile:
+    result = SessionFile(path=path)
+    with path.open("rb") as handle:
+        lines = handle.read().split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+            schema = obj.get("schema") if isinstance(obj, dict) else None
+            if schema == TURN_SCHEMA:
+                result.turns.append(TurnRecord.model_validate(obj))
+            elif schema == CLOSE_SCHEMA:
+                result.closes.append(SessionCloseRecord.model_validate(obj))
+            else:
+                raise ValueError(f"unknown schema {schema!r}")
+        except (ValueError, ValidationError) as exc:
+            # A torn line is the last one, cut before its newline; anywhere else the file is damaged.
+            if number == len(lines):
+                logger.warning("%s: skipping torn last line %d", path, number)
+                result.skipped_lines.append(number)
+                continue
+            raise RecordError(f"{path}:{number}: unreadable record line: {exc}") from exc
+    seen: set[int] = set()
+    for turn in result.turns:
+        if turn.turn_id in seen:
+            raise RecordError(f"{path}: turn id {turn.turn_id} appears twice")
+        seen.add(turn.turn_id)
+    return result
+
+
+def iter_session_files(record_dir: Path) -> Iterator[SessionFile]:
+    if not record_dir.is_dir():
+        raise RecordError(f"{record_dir} is not a directory")
+    for path in sorted(record_dir.glob("*.jsonl")):
+        yield read_session_file(path)

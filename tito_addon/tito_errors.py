@@ -1,0 +1,64 @@
+"""Errors a turn can end with, each carrying the HTTP answer the agent gets.
+
+Every failure is answered explicitly: mitmproxy forwards a flow whose hook raised, so nothing may escape
+the addon as a bare exception.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class TitoError(Exception):
+    """A failure with a defined HTTP status and a JSON error body."""
+
+    status: int = 500
+    error_type: str = "tito_error"
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def body(self) -> bytes:
+        payload = {"error": {"message": self.message, "type": self.error_type, "code": self.status}}
+        return json.dumps(payload, ensure_ascii=False).encode()
+
+
+class BadRequest(TitoError):
+    """The agent's request is invalid; nothing was changed."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class UpstreamMalformed(TitoError):
+    """The backend answered 200 with a body we cannot trust."""
+
+    status = 502
+    error_type = "upstream_malformed"
+
+
+class UpstreamUnavailable(TitoError):
+    """The backend could not be reached, reset the connection or timed out."""
+
+    status = 502
+    error_type = "upstream_unavailable"
+
+
+class TokenizationError(TitoError):
+    """The chat template or tokenizer could not produce the prompt ids."""
+
+    status = 500
+    error_type = "tokenization_error"
+
+
+class UpstreamPassthrough(Exception):
+    """The backend answered non-200: the agent receives that status and body verbatim."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type or "application/json"

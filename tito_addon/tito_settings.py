@@ -1,0 +1,124 @@
+"""Validated settings, parsed from the addon's `tito_*` options (or built directly by embedders and tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tito_addon.model_families import FAMILIES
+from tito_addon.token_engine import APPENDABLE_ROLES, FORBIDDEN_KWARGS
+
+BACKEND_KINDS = ("sglang",)
+BACKEND_URL_ENV = ("TITO_BACKEND_URL", "SGLANG_BASE_URL", "VLLM_BASE_URL")
+
+
+def normalize_backend_url(value: str) -> str:
+    """`host:port`, `http://host:port/`, `http://host:port/v1` -> `http://host:port` (a path prefix is kept)."""
+    value = value.strip()
+    if "://" not in value:
+        value = "http://" + value
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {value!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def backend_url_from_env() -> str | None:
+    for name in BACKEND_URL_ENV:
+        value = os.environ.get(name)
+        if value:
+            return normalize_backend_url(value)
+    return None
+
+
+class TitoSettings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    backend_kind: str = "sglang"
+    backend_url: str | None = None
+    tokenizer: str
+    model_family: str = "default"
+    record_dir: str = "recordings"
+    append_roles: tuple[str, ...] = APPENDABLE_ROLES
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    session_header: str = "x-session-id"
+    trust_remote_code: bool = False
+    upstream_timeout: float = 600.0
+
+    @field_validator("backend_kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        if value not in BACKEND_KINDS:
+            raise ValueError(f"unknown backend kind {value!r}; choose one of: {', '.join(BACKEND_KINDS)}")
+        return value
+
+    @field_validator("backend_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        return normalize_backend_url(value) if value else None
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("a tokenizer (HF name or local directory) is required")
+        return value.strip()
+
+    @field_validator("model_family")
+    @classmethod
+    def _family(cls, value: str) -> str:
+        if value not in FAMILIES:
+            raise ValueError(f"unknown model family {value!r}; choose one of: {', '.join(FAMILIES)}")
+        return value
+
+    @field_validator("append_roles", mode="before")
+    @classmethod
+    def _roles(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = [part for part in value.replace(" ", "").split(",") if part]
+        roles = tuple(dict.fromkeys(str(v).lower() for v in value))
+        if not roles:
+            raise ValueError(f"at least one role is required; choose from {', '.join(APPENDABLE_ROLES)}")
+        unknown = [r for r in roles if r not in APPENDABLE_ROLES]
+        if unknown:
+            raise ValueError(f"unknown role(s) {', '.join(unknown)}; choose from {', '.join(APPENDABLE_ROLES)}")
+        return roles
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _kwargs(cls, value: Any) -> dict[str, Any]:
+        if isinstance(value, str):
+            if not value.strip():
+                return {}
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        bad = FORBIDDEN_KWARGS & set(value)
+        if bad:
+            raise ValueError(f"may not set {', '.join(sorted(bad))}")
+        return value
+
+    @field_validator("session_header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not value or not all(c.isalnum() or c in "-_" for c in value):
+            raise ValueError(f"not a valid header name: {value!r}")
+        return value
+
+    @field_validator("upstream_timeout")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value

@@ -1,0 +1,323 @@
+"""The token engine: exact prompt ids for a turn, without re-tokenizing history.
+
+Turn 1 is rendered from scratch. A later turn's prompt is the stored ids of the turn it extends (prompt +
+completion, never re-tokenized), then the end-of-turn tail the model did not emit, then the tokens of only
+the newly appended messages and the generation prompt, both rendered in a small synthetic context. The
+cost of a continuation therefore depends on the appended messages, not on the history length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from tito_addon.message_keys import template_message
+from tito_addon.model_families import ModelFamily, suggest_family
+from tito_addon.tito_errors import BadRequest, TokenizationError
+from tito_addon.wire_models import ChatMessage
+
+logger = logging.getLogger(__name__)
+
+APPENDABLE_ROLES = ("tool", "user", "system")
+# Keys a request may not pass as template kwargs: they would replace the template or the render itself.
+FORBIDDEN_KWARGS = frozenset(
+    {"chat_template", "messages", "tools", "documents", "add_generation_prompt", "tokenize", "continue_final_message"}
+)
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_lookup",
+        "description": "Look a value up.",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
+_MARK = "TITO_PROBE_ASSISTANT_TEXT"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A half-open span of prompt ids and where it came from."""
+
+    source: str  # render | boundary | messages | generation_prompt
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class PromptPiece:
+    """Prompt ids a turn adds after its parent's prompt + completion (all of them for a first turn)."""
+
+    ids: list[int]
+    segments: list[Segment]
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool) -> Any:
+    """Load a tokenizer only (never a model; transformers runs here without torch)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+
+
+def _generation_eos_ids(name_or_path: str) -> list[int]:
+    config = Path(name_or_path) / "generation_config.json"
+    if not config.is_file():
+        return []
+    try:
+        value = json.loads(config.read_text("utf-8")).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value or [] if isinstance(v, int)]
+
+
+class TokenEngine:
+    """Builds prompt ids for first turns and continuations, for one tokenizer and family."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        family: ModelFamily,
+        *,
+        append_roles: Sequence[str] = APPENDABLE_ROLES,
+        pinned_kwargs: dict[str, Any] | None = None,
+        tokenizer_name: str = "",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.family = family
+        self.append_roles = tuple(append_roles)
+        self.pinned_kwargs = {**family.pinned_kwargs, **(pinned_kwargs or {})}
+        self.tokenizer_name = tokenizer_name or str(getattr(tokenizer, "name_or_path", ""))
+        own_template = getattr(tokenizer, "chat_template", None)
+        self.template: str = family.chat_template() or own_template or ""
+        if not self.template:
+            raise TokenizationError(f"tokenizer {self.tokenizer_name!r} has no chat template")
+        for role in self.append_roles:
+            if role not in APPENDABLE_ROLES:
+                raise ValueError(f"unknown append role {role!r}; choose from {', '.join(APPENDABLE_ROLES)}")
+        bad = FORBIDDEN_KWARGS & set(self.pinned_kwargs)
+        if bad:
+            raise ValueError(f"chat template kwargs may not set {', '.join(sorted(bad))}")
+        if family.single_token_newline and len(self.encode("\n")) != 1:
+            raise ValueError(f"family {family.name} needs a tokenizer that encodes '\\n' as one token")
+        self.stop_ids = self._stop_ids()
+        self.end_of_turn_ids = self._end_of_turn_ids()
+        self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
+        self.tokenizer_sha256 = self._tokenizer_sha256()
+
+    # -- primitives -------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+    ) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                chat_template=self.template,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja raises many types, all of which mean "this input cannot be rendered"
+            raise TokenizationError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(text, str):
+            raise TokenizationError("chat template did not render text")
+        return text
+
+    def effective_kwargs(self, request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """Pinned kwargs overlaid by the request's own: these build the ids and go to the backend."""
+        request_kwargs = request_kwargs or {}
+        bad = FORBIDDEN_KWARGS & set(request_kwargs)
+        if bad:
+            raise BadRequest(f"chat_template_kwargs may not set {', '.join(sorted(bad))}")
+        return {**self.pinned_kwargs, **request_kwargs}
+
+    # -- turns ------------------------------------------------------------------------------------
+
+    def first_turn(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> PromptPiece:
+        text = self.render([template_message(m) for m in messages], tools, add_generation_prompt=True, kwargs=kwargs)
+        ids = self.encode(text)
+        return PromptPiece(ids=ids, segments=[Segment("render", 0, len(ids))])
+
+    def continuation(
+        self,
+        parent_completion_ids: Sequence[int],
+        appended: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> PromptPiece:
+        """Ids that follow a stored turn: its end-of-turn tail, the appended messages, the generation prompt."""
+        for message in appended:
+            if message.role not in self.append_roles:
+                raise BadRequest(
+                    f"role {message.role!r} cannot be appended to a stored turn (allowed: "
+                    f"{', '.join(self.append_roles)}; to allow more roles set tito_append_roles)"
+                )
+        boundary = self.boundary_ids(parent_completion_ids)
+        messages_text, generation_text = self._synthetic_suffix(appended, tools, kwargs)
+        body = self.encode(messages_text + generation_text)
+        generation_ids = self.encode(generation_text)
+        split = len(body) - len(generation_ids)
+        if generation_ids and body[split:] != generation_ids:
+            split = len(body)  # the two merged across the edge: report them as one span
+        ids = boundary + body
+        segments = []
+        start = 0
+        for source, length in (("boundary", len(boundary)), ("messages", split), ("generation_prompt", len(body) - split)):
+            if length:
+                segments.append(Segment(source, start, start + length))
+                start += length
+        return PromptPiece(ids=ids, segments=segments)
+
+    def boundary_ids(self, completion_ids: Sequence[int]) -> list[int]:
+        """The end-of-turn tail the template writes after an assistant turn but the model did not emit.
+
+        A completion that stopped on the first id(s) of the tail (Qwen: `<|im_end|>` without its `\\n`)
+        gets the rest. One that did not close its turn (cut off by max_tokens, or a stop string) gets
+        the whole tail, so the next message never glues onto an unterminated assistant turn.
+        """
+        tail = self.end_of_turn_ids
+        for k in range(min(len(tail), len(completion_ids)), 0, -1):
+            if list(completion_ids[-k:]) == tail[:k]:
+                return tail[k:]
+        return list(tail)
+
+    def _synthetic_suffix(
+        self, appended: list[ChatMessage], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> tuple[str, str]:
+        base = self._synthetic_base(appended)
+        extended = base + [template_message(m) for m in appended]
+        before = self.render(base, tools, add_generation_prompt=False, kwargs=kwargs)
+        without_prompt = self.render(extended, tools, add_generation_prompt=False, kwargs=kwargs)
+        with_prompt = self.render(extended, tools, add_generation_prompt=True, kwargs=kwargs)
+        if not without_prompt.startswith(before) or not with_prompt.startswith(without_prompt):
+            raise TokenizationError(
+                "the chat template is not append-only for these messages (rendering them changed earlier text); "
+                f"family {self.family.name!r} cannot extend this conversation"
+            )
+        return without_prompt[len(before) :], with_prompt[len(without_prompt) :]
+
+    @staticmethod
+    def _synthetic_base(appended: list[ChatMessage]) -> list[dict[str, Any]]:
+        """A stand-in history ending in an assistant turn whose tool calls pair with the appended results."""
+        calls = []
+        for index, message in enumerate(appended):
+            if message.role != "tool":
+                break
+            calls.append(
+                {
+                    "id": message.tool_call_id or f"call_{index}",
+                    "type": "function",
+                    "function": {"name": message.name or "tool", "arguments": {}},
+                }
+            )
+        assistant: dict[str, Any] = {"role": "assistant", "content": "" if calls else "OK."}
+        if calls:
+            assistant["tool_calls"] = calls
+        return [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Hello."},
+            assistant,
+        ]
+
+    # -- startup checks ---------------------------------------------------------------------------
+
+    def _stop_ids(self) -> list[int]:
+        ids = set(_generation_eos_ids(self.tokenizer_name))
+        if isinstance(self.tokenizer.eos_token_id, int):
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def _end_of_turn_ids(self) -> list[int]:
+        messages = [
+            {"role": "system", "content": "You are a probe."},
+            {"role": "user", "content": "Say the mark."},
+            {"role": "assistant", "content": _MARK},
+        ]
+        text = self.render(messages, None, add_generation_prompt=False, kwargs=self.pinned_kwargs)
+        at = text.rfind(_MARK)
+        if at < 0:
+            raise ValueError("the chat template does not render assistant content; cannot find the end of a turn")
+        tail = self.encode(text[at + len(_MARK) :])
+        if not tail:
+            raise ValueError("the chat template writes nothing after an assistant turn; cannot find its end")
+        return tail
+
+    def _tokenizer_sha256(self) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return hashlib.sha256(backend.to_str().encode()).hexdigest()
+        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False)
+        return hashlib.sha256(vocab.encode()).hexdigest()
+
+    def append_only_problems(self) -> list[str]:
+        """Probe each configured role: is `render(history + appended)` an extension of `render(history)`,
+        and does the synthetic context produce exactly the appended text? Empty list: append-only."""
+        history = [
+            ChatMessage(role="system", content="You are a probe."),
+            ChatMessage(role="user", content="Look up alpha."),
+            ChatMessage(
+                role="assistant",
+                content="",
+                reasoning_content="I should look it up.",
+                tool_calls=[{"id": "call_probe", "function": {"name": "probe_lookup", "arguments": '{"key": "alpha"}'}}],
+            ),
+        ]
+        appended_by_role = {
+            "tool": ChatMessage(role="tool", content="alpha=1", tool_call_id="call_probe", name="probe_lookup"),
+            "user": ChatMessage(role="user", content="And beta?"),
+            "system": ChatMessage(role="system", content="Be brief."),
+        }
+        problems = []
+        tools = [PROBE_TOOL]
+        for role in self.append_roles:
+            appended = [appended_by_role[role]]
+            try:
+                before = self.render(
+                    [template_message(m) for m in history], tools, add_generation_prompt=False, kwargs=self.pinned_kwargs
+                )
+                full = self.render(
+                    [template_message(m) for m in history + appended],
+                    tools,
+                    add_generation_prompt=True,
+                    kwargs=self.pinned_kwargs,
+                )
+                messages_text, generation_text = self._synthetic_suffix(appended, tools, self.pinned_kwargs)
+            except (TokenizationError, BadRequest) as exc:
+                problems.append(f"appending a {role} message: {exc.message}")
+                continue
+            if not full.startswith(before):
+                at = next((i for i, (a, b) in enumerate(zip(before, full)) if a != b), min(len(before), len(full)))
+                problems.append(
+                    f"appending a {role} message rewrites earlier text at character {at}: "
+                    f"{before[at:at + 40]!r} becomes {full[at:at + 40]!r}"
+                )
+            elif full[len(before) :] != messages_text + generation_text:
+                problems.append(f"appending a {role} message renders differently in a synthetic context")
+        return problems
+
+    def check_append_only(self) -> None:
+        problems = self.append_only_problems()
+        if problems:
+            hint = suggest_family(self.template)
+            advice = f"; use tito_model_family={hint}" if hint and hint != self.family.name else ""
+            raise ValueError(
+                f"the chat template of {self.tokenizer_name!r} (family {self.family.name}) is not append-only: "
+                + "; ".join(problems)
+                + advice
+            )

@@ -1,0 +1,286 @@
+"""One agent turn, end to end: validate -> locate -> prepare ids -> backend -> record -> commit -> reply.
+
+This is the whole addon minus mitmproxy: it takes the request's path, headers and body and returns the
+HTTP reply, so it can be tested and reused without a proxy. Validation and preparation touch no state; the
+only state changes (the record line and the new tree node) happen together, synchronously, after the
+backend answered, so a rejected or failed request leaves no trace in memory or on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from pydantic import ValidationError
+
+from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn
+from tito_addon.message_keys import message_key
+from tito_addon.record_models import SegmentSpan, TokenizerInfo, TurnRecord
+from tito_addon.session_tree import Attachment, SessionStore, TurnNode
+from tito_addon.sse_framing import SSE_HEADERS, sse_from_completion
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
+from tito_addon.token_engine import PromptPiece, TokenEngine
+from tito_addon.trajectory_recorder import TrajectoryRecorder
+from tito_addon.wire_models import ChatMessage, ChatRequest
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]+))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
+SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
+    "parallel_tool_calls", "reasoning_effort", "response_format",
+)  # fmt: skip
+# Never forwarded: hop-by-hop headers and those the upstream call sets itself.
+DROPPED_HEADERS = frozenset(
+    {
+        "host", "content-length", "content-encoding", "transfer-encoding", "accept-encoding", "connection",
+        "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer", "upgrade", "expect",
+    }
+)  # fmt: skip
+MAX_SESSION_ID = 256
+
+
+@dataclass
+class HttpReply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def json_reply(status: int, body: bytes, metadata: dict[str, Any] | None = None) -> HttpReply:
+    return HttpReply(status, {"content-type": "application/json"}, body, metadata or {})
+
+
+def is_chat_path(path: str) -> bool:
+    return CHAT_PATH.match(path) is not None
+
+
+def strip_session_prefix(path: str) -> str:
+    """`/sessions/{id}/v1/models` -> `/v1/models`: session-scoped base URLs reach the backend's own routes."""
+    return SESSION_PREFIX.sub("", path, count=1)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise BadRequest(f"duplicate JSON key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not valid JSON")
+
+
+def parse_body(body: bytes) -> ChatRequest:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest("request body is not valid UTF-8") from exc
+    try:
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return ChatRequest.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise BadRequest(f"invalid chat request at {where}: {first.get('msg')}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
+
+
+def checked_session_id(value: str | None, where: str) -> str | None:
+    if value is None:
+        return None
+    if not value or len(value) > MAX_SESSION_ID or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise BadRequest(f"invalid session id in {where}: 1 to {MAX_SESSION_ID} printable characters required")
+    return value
+
+
+def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
+    if not tools:
+        return None
+    canonical = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    """Everything decided before the backend call; nothing here has changed any state."""
+
+    request: ChatRequest
+    session_id: str | None
+    attachment: Attachment
+    parent: TurnNode | None
+    appended: list[ChatMessage]
+    piece: PromptPiece
+    prompt_ids: list[int]
+    kwargs: dict[str, Any]
+    keys: list[Any]
+
+
+class TurnService:
+    def __init__(
+        self,
+        engine: TokenEngine,
+        backend: Backend,
+        store: SessionStore,
+        recorder: TrajectoryRecorder | None,
+        *,
+        session_header: str = "x-session-id",
+    ) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.store = store
+        self.recorder = recorder
+        self.session_header = session_header.lower()
+
+    async def handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+        """Serve one chat-completion request. Never raises: every outcome is an HTTP reply."""
+        try:
+            return await self._handle(path, {k.lower(): v for k, v in headers.items()}, body, base_url)
+        except UpstreamPassthrough as passthrough:
+            return HttpReply(passthrough.status, {"content-type": passthrough.content_type}, passthrough.body)
+        except TitoError as error:
+            if error.status >= 500:
+                logger.warning("turn failed: %s", error.message)
+            return json_reply(error.status, error.body())
+        except Exception:
+            logger.exception("unexpected failure while serving a turn")
+            return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+
+    def prepare(self, path: str, headers: dict[str, str], body: bytes) -> PreparedTurn:
+        match = CHAT_PATH.match(path)
+        if match is None:
+            raise BadRequest(f"not a chat-completions path: {path}")
+        session_id = checked_session_id(headers.get(self.session_header), f"header {self.session_header}")
+        if session_id is None and match.group("sid") is not None:
+            session_id = checked_session_id(unquote(match.group("sid")), "path")
+        request = parse_body(body)
+        kwargs = self.engine.effective_kwargs(request.chat_template_kwargs)
+        messages = request.messages
+        keys = [message_key(m) for m in messages]
+        reasonings = [m.reasoning_text() if m.role == "assistant" else None for m in messages]
+        attachment = self.store.locate(session_id, keys, reasonings)
+        parent = attachment.parent
+        appended = messages[attachment.matched :]
+        if parent is not None and any(m.role == "assistant" for m in appended):
+            # An edited or injected assistant message cannot extend stored ids: serve it as a fresh render,
+            # a new root of the same session.
+            parent, appended = None, messages
+        if parent is None:
+            piece = self.engine.first_turn(messages, request.tools, kwargs)
+            prompt_ids = piece.ids
+        else:
+            piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
+            prompt_ids = parent.full_ids() + piece.ids
+        return PreparedTurn(request, session_id, attachment, parent, appended, piece, prompt_ids, kwargs, keys)
+
+    async def _handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+        prepared = self.prepare(path, headers, body)
+        request = prepared.request
+        chat_body = request.model_dump(mode="json", exclude_unset=True, by_alias=True)
+        chat_body["chat_template_kwargs"] = prepared.kwargs
+        chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
+        forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
+        result = await self.backend.run_turn(
+            BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward)
+        )
+        node = self.commit(prepared, result, headers.get("x-request-id"))
+        metadata = {
+            "session_id": node.session.session_id,
+            "turn_id": node.turn_id,
+            "parent_turn_id": node.parent.turn_id if node.parent else None,
+            "prompt_tokens": len(prepared.prompt_ids),
+            "completion_tokens": len(result.completion_ids),
+        }
+        tito_headers = {"x-tito-session-id": node.session.session_id, "x-tito-turn-id": str(node.turn_id)}
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            stream = sse_from_completion(result.agent_body, include_usage=include_usage)
+            return HttpReply(200, {**SSE_HEADERS, **tito_headers}, stream, metadata)
+        content = result.agent_bytes
+        if content is None:
+            content = json.dumps(result.agent_body, ensure_ascii=False).encode()
+        return HttpReply(200, {"content-type": "application/json", **tito_headers}, content, metadata)
+
+    def commit(self, prepared: PreparedTurn, result: BackendResult, request_id: str | None) -> TurnNode:
+        """Write the record line, then add the node. Synchronous, so no other turn can interleave."""
+        session = prepared.attachment.session
+        if session is None:
+            session = self.store.sessions.get(prepared.session_id or "") or self.store.new_session(prepared.session_id)
+        assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
+        parent = prepared.parent
+        segment_keys = tuple(prepared.keys[len(prepared.keys) - len(prepared.appended) :]) + (message_key(assistant),)
+        segment_reasoning = tuple(None for _ in prepared.appended) + (assistant.reasoning_text(),)
+        tools_sha = tools_digest(prepared.request.tools)
+        request = prepared.request
+        sampling = {k: v for k, v in request.model_dump(mode="json").items() if k in SAMPLING_KEYS and v is not None}
+        record = TurnRecord(
+            session_id=session.session_id,
+            turn_id=session.next_turn_id,
+            parent_turn_id=parent.turn_id if parent else None,
+            ts=time.time(),
+            model=request.model,
+            backend_kind=self.backend.kind,
+            request_id=request_id,
+            sampling=sampling,
+            chat_template_kwargs=prepared.kwargs,
+            tools_sha256=tools_sha,
+            tools=request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
+            appended_messages=[m.model_dump(mode="json", exclude_none=True) for m in prepared.appended],
+            prompt_added_ids=prepared.piece.ids,
+            prompt_segments=[SegmentSpan(source=s.source, start=s.start, end=s.end) for s in prepared.piece.segments],
+            prompt_len=len(prepared.prompt_ids),
+            completion_ids=result.completion_ids,
+            completion_logprobs=result.completion_logprobs,
+            assistant_message=result.message,
+            finish_reason=result.finish_reason,
+            ambiguous_parent=prepared.attachment.ambiguous and parent is not None,
+            tokenizer=TokenizerInfo(
+                name=self.engine.tokenizer_name,
+                tokenizer_sha256=self.engine.tokenizer_sha256,
+                template_sha256=self.engine.template_sha256,
+                family=self.engine.family.name,
+            ),
+        )
+        if self.recorder is not None:
+            self.recorder.write_turn(record)
+        node = self.store.commit(
+            session,
+            parent,
+            (parent.message_end if parent else 0) + len(segment_keys),
+            segment_keys,
+            segment_reasoning,
+            prepared.piece.ids,
+            result.completion_ids,
+            result.finish_reason,
+            tools_sha,
+        )
+        return node
+
+    def close_all(self, reason: str) -> None:
+        if self.recorder is None:
+            return
+        for session in self.store.sessions.values():
+            try:
+                self.recorder.close_session(session.session_id, session.turns, reason)
+            except OSError:
+                logger.exception("could not close the record of session %s", session.session_id)
+
