@@ -93,7 +93,8 @@ class TitoAddon:
                 raise exceptions.OptionsError(
                     "tito_tokenizer is required: --set tito_tokenizer=<HF model name or local tokenizer dir>"
                 ) from exc
-            raise exceptions.OptionsError(f"invalid {option}: {first['msg']}") from exc
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise exceptions.OptionsError(f"invalid {option}: {message}") from exc
         engine = self.engine
         if engine is None or updated & ENGINE_OPTIONS:
             engine = self._build_engine(settings)

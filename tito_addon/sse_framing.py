@@ -37,7 +37,9 @@ def sse_from_completion(completion: dict[str, Any], *, include_usage: bool) -> b
     for choice in completion.get("choices", []):
         index = choice.get("index", 0)
         message = choice.get("message") or {}
-        out.append(chunk(index, {"role": "assistant", "content": ""}))
+        # content null stays null for the accumulating client (a tool-call-only turn), "" stays "".
+        first_content = None if message.get("content") is None else ""
+        out.append(chunk(index, {"role": "assistant", "content": first_content}))
         for key in ("reasoning_content", "reasoning"):
             if message.get(key):
                 out.append(chunk(index, {key: message[key]}))
