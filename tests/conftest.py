@@ -10,6 +10,29 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TITO_SHARED_DIR", REPO.parent / "shared"))
+# The tool set of the conversations the tests drive (the drift cases use get_weather too).
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+        },
+    },
+]
 HUB_NAMES = {"qwen3": "Qwen/Qwen3-8B", "qwen2.5": "Qwen/Qwen2.5-7B-Instruct"}
 
 

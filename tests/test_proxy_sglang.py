@@ -13,35 +13,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import tokenizer_path
+from conftest import TOOLS, tokenizer_path
 from proxy_harness import REPO, Mitmdump, get, post
 
 from tito_addon.record_reader import read_session_file
 from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
 from tito_addon.trajectory_recorder import session_file_name
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-        },
-    },
-]
 SECRET = "sk-tito-test-SECRET-4f9a1c"
 
 
@@ -94,7 +72,10 @@ def echo(message) -> dict:
 
 
 def run_agent(client: openai.OpenAI, turns: int, *, stream: bool = False, first: str = "Weather in Paris?"):
-    messages: list[dict] = [{"role": "system", "content": "You are a travel agent."}, {"role": "user", "content": first}]
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a travel agent."},
+        {"role": "user", "content": first},
+    ]
     replies = []
     for turn in range(turns):
         if stream:
@@ -375,9 +356,10 @@ def test_a_failed_divergent_retry_leaves_the_original_branch_intact(proxy, fresh
 
 def test_old_sglang_that_ignores_input_ids_is_refused(tmp_path) -> None:
     config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), honor_input_ids=False)
-    with ReplicaThread(config) as old, Mitmdump(
-        old.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path
-    ) as proxy:
+    with (
+        ReplicaThread(config) as old,
+        Mitmdump(old.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path) as proxy,
+    ):
         response = post(
             proxy.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=30
         )

@@ -6,36 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED, cached_engine
+from conftest import SHARED, TOOLS, cached_engine
 
 from tito_addon.message_keys import template_message
 from tito_addon.model_families import FAMILIES
 from tito_addon.tito_errors import BadRequest, TokenizationError
 from tito_addon.token_engine import TokenEngine
 from tito_addon.wire_models import ChatMessage
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-        },
-    },
-]
 
 
 def call(call_id: str, name: str, args: dict) -> dict:
@@ -49,12 +26,18 @@ def M(**kw) -> ChatMessage:
 # (appended messages, the assistant reply) per turn: reasoning, parallel calls, tool results, user turns.
 CONVERSATION = [
     (
-        [M(role="system", content="You are a careful travel agent."), M(role="user", content="Weather in Paris and Oslo?")],
+        [
+            M(role="system", content="You are a careful travel agent."),
+            M(role="user", content="Weather in Paris and Oslo?"),
+        ],
         M(
             role="assistant",
             content="",
             reasoning_content="Two cities, so two parallel calls.",
-            tool_calls=[call("call_1", "get_weather", {"city": "Paris"}), call("call_2", "get_weather", {"city": "Oslo"})],
+            tool_calls=[
+                call("call_1", "get_weather", {"city": "Paris"}),
+                call("call_2", "get_weather", {"city": "Oslo"}),
+            ],
         ),
     ),
     (
@@ -66,7 +49,12 @@ CONVERSATION = [
     ),
     (
         [M(role="user", content="Find me a café in Oslo.")],
-        M(role="assistant", content="", reasoning_content="Search.", tool_calls=[call("call_3", "search", {"q": "café Oslo"})]),
+        M(
+            role="assistant",
+            content="",
+            reasoning_content="Search.",
+            tool_calls=[call("call_3", "search", {"q": "café Oslo"})],
+        ),
     ),
     (
         [M(role="tool", tool_call_id="call_3", name="search", content="Fuglen, Tim Wendelboe")],
@@ -79,7 +67,9 @@ CONVERSATION = [
 ]
 
 
-def canonical_completion(engine: TokenEngine, history: list[ChatMessage], reply: ChatMessage, kwargs: dict) -> list[int]:
+def canonical_completion(
+    engine: TokenEngine, history: list[ChatMessage], reply: ChatMessage, kwargs: dict
+) -> list[int]:
     """The ids a model emits for `reply`: its canonical rendering, ending at the stop token (no trailing newline)."""
     before = engine.render([template_message(m) for m in history], TOOLS, add_generation_prompt=True, kwargs=kwargs)
     after = engine.render(
@@ -196,9 +186,7 @@ def test_default_family_probe() -> None:
 
 
 def test_template_failure_is_a_tokenization_error(qwen3_engine: TokenEngine) -> None:
-    engine = TokenEngine(
-        qwen3_engine.tokenizer, FAMILIES["qwen3"], tokenizer_name=qwen3_engine.tokenizer_name
-    )
+    engine = TokenEngine(qwen3_engine.tokenizer, FAMILIES["qwen3"], tokenizer_name=qwen3_engine.tokenizer_name)
     engine.template = "{{ raise_exception('nope') }}"
     with pytest.raises(TokenizationError, match="nope"):
         engine.first_turn([M(role="user", content="x")], None, {})

@@ -16,8 +16,8 @@ from mitmproxy.utils import asyncio_utils
 from pydantic import ValidationError
 
 from tito_addon.model_families import FAMILIES
-from tito_addon.sglang_backend import SglangBackend
 from tito_addon.session_tree import SessionStore
+from tito_addon.sglang_backend import SglangBackend
 from tito_addon.tito_errors import TitoError
 from tito_addon.tito_settings import TitoSettings, backend_url_from_env, normalize_backend_url
 from tito_addon.token_engine import TokenEngine, load_tokenizer
@@ -53,9 +53,7 @@ class TitoAddon:
             "$VLLM_BASE_URL, else the request's own target.",
         )
         loader.add_option("tito_tokenizer", str, "", "Tokenizer: a Hugging Face model name or a local directory.")
-        loader.add_option(
-            "tito_model_family", str, "default", f"Boundary and template rules: {', '.join(FAMILIES)}."
-        )
+        loader.add_option("tito_model_family", str, "default", f"Boundary and template rules: {', '.join(FAMILIES)}.")
         loader.add_option("tito_record_dir", str, "recordings", "Directory for the per-session JSONL trajectories.")
         loader.add_option(
             "tito_append_roles", str, "tool,user,system", "Comma-separated roles a request may append to a stored turn."
@@ -64,9 +62,7 @@ class TitoAddon:
             "tito_chat_template_kwargs", str, "", "JSON object of chat template kwargs applied to every render."
         )
         loader.add_option("tito_session_header", str, "x-session-id", "Request header that names the session.")
-        loader.add_option(
-            "tito_trust_remote_code", bool, False, "Allow the tokenizer to run code from its repository."
-        )
+        loader.add_option("tito_trust_remote_code", bool, False, "Allow the tokenizer to run code from its repository.")
         loader.add_option("tito_upstream_timeout", int, 600, "Seconds to wait for the backend before answering 504.")
 
     def configure(self, updated: set[str]) -> None:

@@ -1,9 +1,9 @@
 """`python -m tito_addon`: run mitmdump with the addon, or one of the subcommands.
 
-    python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
-    python -m tito_addon show RECORD_DIR [--json]  print recorded turns
-    python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
-    python -m tito_addon demo                      an end-to-end capture against the reference backend
+python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
+python -m tito_addon show RECORD_DIR [--json]  print recorded turns
+python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
+python -m tito_addon demo                      an end-to-end capture against the reference backend
 """
 
 from __future__ import annotations

@@ -40,7 +40,10 @@ FAMILIES: dict[str, ModelFamily] = {
     ),
     "qwen2.5": ModelFamily(
         name="qwen2.5",
-        description="Qwen2.5 instruct and coder models: the official template; the newline after <|im_end|> is re-inserted.",
+        description=(
+            "Qwen2.5 instruct and coder models: the official template (append-only as shipped); the newline "
+            "after <|im_end|> is re-inserted."
+        ),
         single_token_newline=True,
     ),
     "default": ModelFamily(

@@ -1,15 +1,16 @@
 """Reads session files back and reconstructs every turn's full prompt ids from the parent chain.
 
-A torn last line (a crash mid-write) is reported and skipped, never merged with the next line.
+A torn line (a crash mid-write) is reported in `skipped_lines` and skipped, never merged with the next
+line; a turn whose parent is missing makes the file unreadable as a trajectory (`RecordError`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from pydantic import ValidationError
 
@@ -68,12 +69,9 @@ def read_session_file(path: Path) -> SessionFile:
             else:
                 raise ValueError(f"unknown schema {schema!r}")
         except (ValueError, ValidationError) as exc:
-            # A torn line is the last one, cut before its newline; anywhere else the file is damaged.
-            if number == len(lines):
-                logger.warning("%s: skipping torn last line %d", path, number)
-                result.skipped_lines.append(number)
-                continue
-            raise RecordError(f"{path}:{number}: unreadable record line: {exc}") from exc
+            # A line torn by a crash mid-write; a restarted proxy appends after it. Skipped, never merged.
+            logger.warning("%s: skipping unreadable line %d: %s", path, number, str(exc)[:200])
+            result.skipped_lines.append(number)
     seen: set[int] = set()
     for turn in result.turns:
         if turn.turn_id in seen:

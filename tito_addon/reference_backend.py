@@ -886,6 +886,16 @@ class ReferenceBackend:
         )
         return want_in, want_out
 
+    def _sglext(self, body: dict[str, Any], request: web.Request, gen: _Generation) -> dict[str, Any]:
+        """The sglext ids block the request asked for (0.5.20+), or {} when it asked for none."""
+        want_in, want_out = self._sglext_flags(body, request)
+        ext: dict[str, Any] = {}
+        if want_in:
+            ext["input_ids"] = list(gen.prompt_ids)
+        if want_out:
+            ext["output_ids"] = [list(gen.completion_ids)]
+        return ext
+
     def _response_body(self, body: dict[str, Any], gen: _Generation, request: web.Request) -> dict[str, Any]:
         honor = self.config.honor_input_ids
         want_logprobs = _truthy(body.get("logprobs"))
@@ -920,13 +930,8 @@ class ReferenceBackend:
             "usage": self._usage(gen),
             "metadata": {"weight_version": "default"},
         }
-        want_in, want_out = self._sglext_flags(body, request)
-        if want_in or want_out:
-            ext: dict[str, Any] = {}
-            if want_in:
-                ext["input_ids"] = list(gen.prompt_ids)
-            if want_out:
-                ext["output_ids"] = [list(gen.completion_ids)]
+        ext = self._sglext(body, request, gen)
+        if ext:
             out["sglext"] = ext
         return out
 
@@ -1044,13 +1049,8 @@ class ReferenceBackend:
                 else:
                     yield chunk(delta)
         yield chunk({}, lp_from, len(gen.completion_ids), finish=gen.finish)
-        want_in, want_out = self._sglext_flags(body, request)
-        if want_in or want_out:
-            ext: dict[str, Any] = {}
-            if want_in:
-                ext["input_ids"] = list(gen.prompt_ids)
-            if want_out:
-                ext["output_ids"] = [list(gen.completion_ids)]
+        ext = self._sglext(body, request, gen)
+        if ext:
             yield (
                 "sglext_ids",
                 {

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 import uuid
 from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from tito_addon.message_keys import MessageKey, reasoning_matches
 
@@ -82,9 +82,7 @@ class TurnNode:
         return out.tolist()
 
     def reasoning_compatible(self, reasonings: Sequence[str | None], start: int) -> bool:
-        return all(
-            reasoning_matches(stored, reasonings[start + i]) for i, stored in enumerate(self.segment_reasoning)
-        )
+        return all(reasoning_matches(stored, reasonings[start + i]) for i, stored in enumerate(self.segment_reasoning))
 
 
 @dataclass(eq=False)
@@ -167,12 +165,15 @@ class SessionStore:
         completion_ids: Sequence[int],
         finish_reason: str | None,
         tools_sha256: str | None = None,
+        turn_id: int | None = None,
     ) -> TurnNode:
         """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
         live = self.sessions.setdefault(session.session_id, session)
+        if turn_id is None:
+            turn_id = live.next_turn_id
         node = TurnNode(
             session=live,
-            turn_id=live.next_turn_id,
+            turn_id=turn_id,
             parent=parent,
             message_end=message_end,
             segment_keys=segment_keys,
@@ -182,7 +183,7 @@ class SessionStore:
             finish_reason=finish_reason,
             tools_sha256=tools_sha256,
         )
-        live.next_turn_id += 1
+        live.next_turn_id = max(live.next_turn_id, turn_id + 1)
         live.turns += 1
         live.tokens += len(added_ids) + len(completion_ids)
         live.last_used = time.time()

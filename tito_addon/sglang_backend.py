@@ -120,4 +120,3 @@ class SglangBackend:
         if not chat_body.get("return_prompt_token_ids"):
             cleaned.pop("prompt_token_ids", None)
         return cleaned
-

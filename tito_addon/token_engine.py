@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tito_addon.message_keys import template_message
 from tito_addon.model_families import ModelFamily, suggest_family
@@ -178,7 +179,11 @@ class TokenEngine:
         ids = boundary + body
         segments = []
         start = 0
-        for source, length in (("boundary", len(boundary)), ("messages", split), ("generation_prompt", len(body) - split)):
+        for source, length in (
+            ("boundary", len(boundary)),
+            ("messages", split),
+            ("generation_prompt", len(body) - split),
+        ):
             if length:
                 segments.append(Segment(source, start, start + length))
                 start += length
@@ -275,7 +280,9 @@ class TokenEngine:
                 role="assistant",
                 content="",
                 reasoning_content="I should look it up.",
-                tool_calls=[{"id": "call_probe", "function": {"name": "probe_lookup", "arguments": '{"key": "alpha"}'}}],
+                tool_calls=[
+                    {"id": "call_probe", "function": {"name": "probe_lookup", "arguments": '{"key": "alpha"}'}}
+                ],
             ),
         ]
         appended_by_role = {
@@ -289,7 +296,10 @@ class TokenEngine:
             appended = [appended_by_role[role]]
             try:
                 before = self.render(
-                    [template_message(m) for m in history], tools, add_generation_prompt=False, kwargs=self.pinned_kwargs
+                    [template_message(m) for m in history],
+                    tools,
+                    add_generation_prompt=False,
+                    kwargs=self.pinned_kwargs,
                 )
                 full = self.render(
                     [template_message(m) for m in history + appended],
@@ -302,10 +312,11 @@ class TokenEngine:
                 problems.append(f"appending a {role} message: {exc.message}")
                 continue
             if not full.startswith(before):
-                at = next((i for i, (a, b) in enumerate(zip(before, full)) if a != b), min(len(before), len(full)))
+                pairs = enumerate(zip(before, full, strict=False))
+                at = next((i for i, (a, b) in pairs if a != b), min(len(before), len(full)))
                 problems.append(
                     f"appending a {role} message rewrites earlier text at character {at}: "
-                    f"{before[at:at + 40]!r} becomes {full[at:at + 40]!r}"
+                    f"{before[at : at + 40]!r} becomes {full[at : at + 40]!r}"
                 )
             elif full[len(before) :] != messages_text + generation_text:
                 problems.append(f"appending a {role} message renders differently in a synthetic context")

@@ -44,10 +44,13 @@ class TrajectoryRecorder:
 
     def _append(self, session_id: str, line: str) -> None:
         self.ensure_dir()
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(self.path_for(session_id), flags, 0o644)
         try:
             data = (line + "\n").encode("utf-8")
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a line torn by a crash stays its own (skipped) line
             written = os.write(fd, data)
             while written < len(data):  # only on exotic filesystems; keep the line whole
                 written += os.write(fd, data[written:])

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn
 from tito_addon.message_keys import message_key
 from tito_addon.record_models import SegmentSpan, TokenizerInfo, TurnRecord
+from tito_addon.record_reader import RecordError, read_session_file
 from tito_addon.session_tree import Attachment, SessionStore, TurnNode
 from tito_addon.sse_framing import SSE_HEADERS, sse_from_completion
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
@@ -173,6 +174,8 @@ class TurnService:
         if session_id is None and match.group("sid") is not None:
             session_id = checked_session_id(unquote(match.group("sid")), "path")
         request = parse_body(body)
+        if session_id is not None and session_id not in self.store.sessions:
+            self.restore(session_id)
         kwargs = self.engine.effective_kwargs(request.chat_template_kwargs)
         messages = request.messages
         keys = [message_key(m) for m in messages]
@@ -199,9 +202,7 @@ class TurnService:
         chat_body["chat_template_kwargs"] = prepared.kwargs
         chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
         forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
-        result = await self.backend.run_turn(
-            BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward)
-        )
+        result = await self.backend.run_turn(BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward))
         node = self.commit(prepared, result, headers.get("x-request-id"))
         metadata = {
             "session_id": node.session.session_id,
@@ -275,6 +276,41 @@ class TurnService:
         )
         return node
 
+    def restore(self, session_id: str) -> None:
+        """Rebuild a named session from its record file (after a restart or hot reload), so its turns
+        extend the recorded ids and its turn ids continue instead of colliding."""
+        if self.recorder is None:
+            return
+        path = self.recorder.path_for(session_id)
+        if not path.is_file():
+            return
+        try:
+            recorded = read_session_file(path)
+            recorded.full_ids()  # proves every parent is present and every prompt length adds up
+        except (OSError, RecordError) as exc:
+            raise TitoError(f"cannot resume session from its record file: {exc}", status=409) from exc
+        session = self.store.new_session(session_id)
+        nodes: dict[int, TurnNode] = {}
+        for turn in recorded.turns:
+            parent = nodes[turn.parent_turn_id] if turn.parent_turn_id is not None else None
+            segment = [ChatMessage.model_validate(m) for m in turn.appended_messages]
+            segment.append(ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"}))
+            nodes[turn.turn_id] = self.store.commit(
+                session,
+                parent,
+                (parent.message_end if parent else 0) + len(segment),
+                tuple(message_key(m) for m in segment),
+                tuple(m.reasoning_text() if m.role == "assistant" else None for m in segment),
+                turn.prompt_added_ids,
+                turn.completion_ids,
+                turn.finish_reason,
+                turn.tools_sha256,
+                turn_id=turn.turn_id,
+            )
+        if recorded.skipped_lines:
+            session.next_turn_id += len(recorded.skipped_lines)  # never reuse the id of a torn line
+        logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
+
     def close_all(self, reason: str) -> None:
         if self.recorder is None:
             return
@@ -283,4 +319,3 @@ class TurnService:
                 self.recorder.close_session(session.session_id, session.turns, reason)
             except OSError:
                 logger.exception("could not close the record of session %s", session.session_id)
-

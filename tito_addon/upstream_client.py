@@ -6,11 +6,11 @@ stalls past the timeout answers 504. The session object is created lazily inside
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -54,7 +54,7 @@ class UpstreamClient:
             async with self._client().post(url, data=payload, headers=send_headers, timeout=timeout) as response:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("content-type"), data)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout(f"backend did not answer within {self.timeout_s:g} s ({url})") from exc
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamUnavailable(f"backend unreachable at {url}: {exc.strerror or exc}") from exc

@@ -1,0 +1,74 @@
+"""Lifecycle through a real mitmdump: restart and resume, script hot reload, torn lines, shutdown lines."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TOOLS, tokenizer_path
+from proxy_harness import REPO, Mitmdump
+from test_proxy_sglang import agent, run_agent
+
+from tito_addon.record_reader import read_session_file
+from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+
+
+@pytest.fixture(scope="module")
+def replica():
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
+        yield running
+
+
+def continue_conversation(proxy: Mitmdump, sid: str, messages: list[dict]) -> None:
+    agent(proxy, sid).chat.completions.create(model="reference-model", messages=messages, tools=TOOLS)
+
+
+def test_a_restarted_proxy_resumes_a_named_session_from_disk(replica, tmp_path: Path) -> None:
+    record_dir = tmp_path / "rec"
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as first:
+        messages, _ = run_agent(agent(first, "resume-me"), 3)
+    path = record_dir / "resume-me.jsonl"
+    assert json.loads(path.read_text().splitlines()[-1])["reason"] == "shutdown"
+    # A crash left a torn line behind: it must be skipped, not merged with the next line.
+    with path.open("a") as handle:
+        handle.write('{"schema": "tito.turn.v1", "session_id": "resume-me", "turn_id": 3, "prompt_add')
+    replica.backend.reset()
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as second:
+        continue_conversation(second, "resume-me", messages)
+    recorded = read_session_file(path)
+    assert len(recorded.skipped_lines) == 1
+    assert [t.turn_id for t in recorded.turns] == [0, 1, 2, 4]
+    assert [t.parent_turn_id for t in recorded.turns] == [None, 0, 1, 2]
+    ids = recorded.full_ids()
+    stored = ids[2][0] + ids[2][1]
+    assert ids[4][0][: len(stored)] == stored
+    assert replica.received()[0]["input_ids"] == ids[4][0]
+
+
+def test_hot_reload_of_the_script_keeps_serving(replica, tmp_path: Path) -> None:
+    """mitmdump reloads a touched script; the reloaded addon keeps extending a named session."""
+    package = tmp_path / "copy" / "tito_addon"
+    package.parent.mkdir()
+    import shutil
+
+    shutil.copytree(REPO / "tito_addon", package, ignore=shutil.ignore_patterns("__pycache__"))
+    record_dir = tmp_path / "rec"
+    proxy = Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path)
+    proxy.argv[proxy.argv.index("-s") + 1] = str(package / "__init__.py")
+    with proxy:
+        messages, _ = run_agent(agent(proxy, "reload"), 2)
+        time.sleep(1.1)  # mtime granularity
+        (package / "__init__.py").write_text((package / "__init__.py").read_text() + "\n# touched\n")
+        deadline = time.monotonic() + 30
+        while (
+            proxy.output().count("Loading script") < 2
+            or "tito: sglang backend" not in proxy.output().split("Loading script")[-1]
+        ):
+            assert time.monotonic() < deadline, proxy.output()[-3000:]
+            time.sleep(0.2)
+        continue_conversation(proxy, "reload", messages)
+        assert "Traceback" not in proxy.output(), proxy.output()[-3000:]
+    recorded = read_session_file(record_dir / "reload.jsonl")
+    assert [t.parent_turn_id for t in recorded.turns] == [None, 0, 1]
