@@ -70,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     session_id = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"reference backend: sglang protocol over the tokenizer {args.tokenizer}")
-    with ReplicaThread(ReplicaConfig(tokenizer=args.tokenizer)) as backend:
+    try:
+        replica = ReplicaThread(ReplicaConfig(tokenizer=args.tokenizer))
+    except OSError as exc:
+        print(f"error: cannot load the tokenizer {args.tokenizer!r} ({exc}).")
+        print("Put the shared tokenizers beside the repository (../shared/tokenizers/qwen3), or name one in")
+        print("TITO_DEMO_TOKENIZER (a local directory or a Hugging Face model name).")
+        return 2
+    with replica as backend:
         print(f"  listening at {backend.url}")
         proxy = Mitmdump(backend.url, tokenizer=args.tokenizer, record_dir=args.record_dir.resolve(), cwd=Path.cwd())
         print("mitmdump -s tito_addon/__init__.py --mode reverse:" + backend.url)
