@@ -124,6 +124,11 @@ def test_twenty_turn_tool_session_is_token_exact(proxy, fresh, record_dir) -> No
         assert body["logprobs"] is True and body["return_meta_info"] is True and body["stream"] is False
         assert body["return_prompt_token_ids"] is True and "stream_options" not in body
         assert body["tools"] == TOOLS
+        if turn:  # a line holds only what the turn added, never the whole prompt again
+            assert len(record.prompt_added_ids) < 80 < record.prompt_len
+            assert record.tools is None
+    sizes = [len(line) for line in (record_dir / session_file_name(sid)).read_text("utf-8").splitlines()]
+    assert max(sizes[10:]) < 2 * max(sizes[1:10]), "record lines must not grow with the history"
     # The replica's non-canonical splits survive: the recorded ids are not a re-tokenization of the text.
     tok = fresh.backend.tokenizer.tok
     assert any(tok.encode(tok.decode(c), add_special_tokens=False) != c for _, c in ids.values())
@@ -503,9 +508,49 @@ def test_unknown_backend_kind_and_bad_options_refuse_to_start(replica, tmp_path)
         ({"tito_append_roles": "tool,wizard"}, "wizard"),
         ({"tito_chat_template_kwargs": "{not json"}, "tito_chat_template_kwargs"),
         ({"tito_model_family": "default"}, "tito_model_family=qwen3"),
+        ({"tito_tokenizer": ""}, "tito_tokenizer is required"),
     ]:
         proxy = Mitmdump(
             replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path, options=options
         )
         returncode, output = proxy.run_to_exit()
         assert returncode != 0 and needle in output, output[-3000:]
+
+
+def test_request_template_kwargs_build_the_ids_and_reach_the_backend(proxy, fresh, record_dir) -> None:
+    sid = f"kwargs-{uuid.uuid4().hex[:6]}"
+    client = agent(proxy, sid)
+    messages = [{"role": "user", "content": "Quick answer please."}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    first = client.chat.completions.create(model="reference-model", messages=messages, extra_body=off)
+    messages += [echo(first.choices[0].message), {"role": "user", "content": "Again?"}]
+    client.chat.completions.create(model="reference-model", messages=messages, extra_body=off)
+    tok = fresh.backend.tokenizer.tok
+    for body in fresh.received():
+        assert body["chat_template_kwargs"] == {"enable_thinking": False}
+        assert tok.decode(body["input_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    session_file, _ = session_records(record_dir, sid)
+    assert [t.chat_template_kwargs for t in session_file.turns] == [{"enable_thinking": False}] * 2
+    assert not any(getattr(r, "reasoning_content", None) for r in [first.choices[0].message])
+
+
+def test_flow_files_carry_the_turn_metadata(replica, tmp_path) -> None:
+    from mitmproxy import io as mitm_io
+
+    replica.backend.reset()
+    flows_path = tmp_path / "flows.mitm"
+    with Mitmdump(
+        replica.url,
+        tokenizer=tokenizer_path("qwen3"),
+        record_dir=tmp_path / "rec",
+        cwd=tmp_path,
+        extra_args=["-w", str(flows_path)],
+    ) as proxy:
+        run_agent(agent(proxy, "flowfile"), 2)
+    with flows_path.open("rb") as handle:
+        flows = list(mitm_io.FlowReader(handle).stream())
+    chats = [f for f in flows if f.request.path.endswith("/chat/completions")]
+    assert [f.metadata["tito"]["turn_id"] for f in chats] == [0, 1]
+    assert chats[1].metadata["tito"]["parent_turn_id"] == 0
+    assert chats[1].metadata["tito"]["session_id"] == "flowfile"
+    assert chats[1].metadata["tito"]["prompt_tokens"] == len(replica.received()[1]["input_ids"])

@@ -214,3 +214,22 @@ def test_drift_cases_survive_into_the_next_prompt(family: str) -> None:
         assert prompt[len(first) : len(first) + len(ids)] == ids, case["kind"]
         # ...whereas the re-tokenizing pipeline would have changed them.
         assert engine.encode(engine.tokenizer.decode(ids)) != ids or "messages" in case, case["kind"]
+
+
+def test_continuation_cost_does_not_grow_with_history(monkeypatch) -> None:
+    """What a continuation renders and tokenizes is independent of the history length (no timing involved)."""
+    engine = cached_engine("qwen3")
+    rendered: list[int] = []
+    encoded: list[int] = []
+    real_render, real_encode = engine.render, engine.encode
+    monkeypatch.setattr(engine, "render", lambda *a, **k: rendered.append(len(r := real_render(*a, **k))) or r)
+    monkeypatch.setattr(engine, "encode", lambda text: encoded.append(len(text)) or real_encode(text))
+    appended = [M(role="tool", tool_call_id="call_1", name="search", content="result " * 50)]
+    costs = []
+    for history_tokens in (10, 10_000, 200_000):
+        rendered.clear()
+        encoded.clear()
+        completion = list(range(1000, 1000 + history_tokens)) + [engine.end_of_turn_ids[0]]
+        engine.continuation(completion, appended, TOOLS, {})
+        costs.append((sum(rendered), sum(encoded)))
+    assert costs[0] == costs[1] == costs[2]

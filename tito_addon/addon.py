@@ -69,6 +69,13 @@ class TitoAddon:
         if not any(name.startswith("tito_") for name in updated):
             return
         opts = ctx.options
+        if not opts.tito_tokenizer:
+            # Not an OptionsError: that would refuse to load the script at all in interactive mitmproxy,
+            # where the user can still `set tito_tokenizer`. Until then chat turns are answered 503, and an
+            # ERROR at startup makes mitmdump exit.
+            self.service = None
+            logger.error("tito: tito_tokenizer is required: --set tito_tokenizer=<HF model name or tokenizer dir>")
+            return
         try:
             settings = TitoSettings(
                 backend_kind=opts.tito_backend_kind,
@@ -85,10 +92,6 @@ class TitoAddon:
         except ValidationError as exc:
             first = exc.errors()[0]
             option = "tito_" + str(first["loc"][0]) if first.get("loc") else "tito options"
-            if option == "tito_tokenizer" and not opts.tito_tokenizer:
-                raise exceptions.OptionsError(
-                    "tito_tokenizer is required: --set tito_tokenizer=<HF model name or local tokenizer dir>"
-                ) from exc
             message = str(first["msg"]).removeprefix("Value error, ")
             raise exceptions.OptionsError(f"invalid {option}: {message}") from exc
         engine = self.engine
@@ -161,7 +164,8 @@ class TitoAddon:
 
     async def _serve(self, flow: http.HTTPFlow) -> HttpReply:
         if self.service is None:
-            return json_reply(503, TitoError("tito_addon is not configured", status=503).body())
+            message = "tito_addon is not configured: set tito_tokenizer; nothing was forwarded"
+            return json_reply(503, TitoError(message, status=503).body())
         try:
             body = flow.request.content or b""
         except ValueError:

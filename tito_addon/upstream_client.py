@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -47,6 +48,7 @@ class UpstreamClient:
         return self._session
 
     async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
+        shown = _without_credentials(url)
         payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         send_headers = {**headers, "content-type": "application/json"}
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -55,13 +57,21 @@ class UpstreamClient:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("content-type"), data)
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"backend did not answer within {self.timeout_s:g} s ({url})") from exc
+            raise UpstreamTimeout(f"backend did not answer within {self.timeout_s:g} s ({shown})") from exc
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamUnavailable(f"backend unreachable at {url}: {exc.strerror or exc}") from exc
+            raise UpstreamUnavailable(f"backend unreachable at {shown}: {exc.strerror or exc}") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(f"backend connection failed ({url}): {type(exc).__name__}: {exc}") from exc
+            raise UpstreamUnavailable(f"backend connection failed ({shown}): {type(exc).__name__}") from exc
 
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+
+def _without_credentials(url: str) -> str:
+    """A URL fit for an error message or a log: user:password@ removed."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))

@@ -1,0 +1,140 @@
+"""The addon shell in mitmproxy's own test harness: option validation, backend discovery, routing guards."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tokenizer_path
+from mitmproxy import exceptions
+from mitmproxy.proxy.mode_specs import ProxyMode
+from mitmproxy.test import taddons, tflow, tutils
+
+from tito_addon import token_engine
+from tito_addon.addon import TitoAddon
+from tito_addon.tito_settings import normalize_backend_url
+
+
+def configured(tctx, addon, **options):
+    base = {"tito_tokenizer": tokenizer_path("qwen3"), "tito_model_family": "qwen3"}
+    tctx.configure(addon, **{**base, **options})
+    return addon
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"tito_backend_kind": "tgi"}, "unknown backend kind"),
+        ({"tito_model_family": "llama9"}, "unknown model family"),
+        ({"tito_append_roles": "tool,assistant"}, "assistant"),
+        ({"tito_append_roles": ""}, "at least one role"),
+        ({"tito_chat_template_kwargs": "[1]"}, "JSON object"),
+        ({"tito_chat_template_kwargs": '{"chat_template": "x"}'}, "chat_template"),
+        ({"tito_session_header": "bad header"}, "header"),
+        ({"tito_upstream_timeout": 0}, "positive"),
+        ({"tito_backend_url": "ftp://x"}, "http"),
+        ({"tito_tokenizer": "/nonexistent/tokenizer-dir"}, "cannot load tokenizer"),
+        ({"tito_model_family": "default"}, "tito_model_family=qwen3"),
+    ],
+)
+def test_invalid_options_raise_options_error(options, needle) -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        with pytest.raises(exceptions.OptionsError, match=needle):
+            configured(tctx, addon, **options)
+
+
+async def test_without_a_tokenizer_chat_turns_are_refused_not_forwarded(caplog) -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, tito_tokenizer="")
+        assert "tito_tokenizer is required" in caplog.text
+        flow = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=b"{}"))
+        await addon.request(flow)
+        assert flow.response is not None and flow.response.status_code == 503
+
+
+def test_append_roles_are_normalised() -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon, tito_append_roles="Tool, user,tool")
+        assert addon.engine.append_roles == ("tool", "user")
+
+
+def test_trust_remote_code_stays_off_unless_enabled(monkeypatch) -> None:
+    seen = []
+    real = token_engine.load_tokenizer
+
+    def spy(name, *, trust_remote_code):
+        seen.append(trust_remote_code)
+        return real(name, trust_remote_code=trust_remote_code)
+
+    monkeypatch.setattr("tito_addon.addon.load_tokenizer", spy)
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon)
+        configured(tctx, addon, tito_trust_remote_code=True)
+    assert seen == [False, True]
+
+
+def chat_flow(mode: str, host: str = "10.1.2.3", port: int = 30000):
+    flow = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", host=host, port=port))
+    flow.client_conn.proxy_mode = ProxyMode.parse(mode)
+    return flow
+
+
+def test_backend_url_discovery(monkeypatch) -> None:
+    for name in ("TITO_BACKEND_URL", "SGLANG_BASE_URL", "VLLM_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon)
+        # Reverse mode: the reverse target (already the flow's target in the request hook).
+        assert addon.backend_base_url(chat_flow("reverse:http://10.1.2.3:30000")) == "http://10.1.2.3:30000"
+        # Regular mode: the environment, in order, else the request's own target.
+        assert addon.backend_base_url(chat_flow("regular")) == "http://10.1.2.3:30000"
+        monkeypatch.setenv("VLLM_BASE_URL", "http://vllm.local:8000/v1")
+        assert addon.backend_base_url(chat_flow("regular")) == "http://vllm.local:8000"
+        monkeypatch.setenv("SGLANG_BASE_URL", "sglang.local:30000")
+        assert addon.backend_base_url(chat_flow("regular")) == "http://sglang.local:30000"
+        monkeypatch.setenv("TITO_BACKEND_URL", "https://tito.local/")
+        assert addon.backend_base_url(chat_flow("regular")) == "https://tito.local"
+        # An explicit option beats everything.
+        configured(tctx, addon, tito_backend_url="http://explicit:1234/v1/")
+        assert addon.backend_base_url(chat_flow("reverse:http://10.1.2.3:30000")) == "http://explicit:1234"
+
+
+def test_url_normalisation() -> None:
+    assert normalize_backend_url(" 127.0.0.1:30000 ") == "http://127.0.0.1:30000"
+    assert normalize_backend_url("http://h:1/prefix/v1/") == "http://h:1/prefix"
+    with pytest.raises(ValueError):
+        normalize_backend_url("ftp://h")
+
+
+async def test_non_chat_flows_are_left_alone_and_session_prefixes_stripped() -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon)
+        models = tflow.tflow(req=tutils.treq(method=b"GET", path=b"/sessions/abc/v1/models"))
+        await addon.request(models)
+        assert models.response is None and models.request.path == "/v1/models"
+        get_chat = tflow.tflow(req=tutils.treq(method=b"GET", path=b"/v1/chat/completions"))
+        await addon.request(get_chat)
+        assert get_chat.response is None
+        done = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions"), resp=True)
+        before = done.response
+        await addon.request(done)
+        assert done.response is before
+
+
+async def test_an_unexpected_exception_is_answered_never_forwarded(monkeypatch) -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon)
+
+        async def boom(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(addon, "_serve", boom)
+        flow = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=b"{}"))
+        await addon.request(flow)
+        assert flow.response is not None and flow.response.status_code == 500
+        assert b"nothing was recorded" in flow.response.content
