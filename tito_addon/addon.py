@@ -15,9 +15,9 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.utils import asyncio_utils
 from pydantic import ValidationError
 
+from tito_addon.backend_kinds import make_backend
 from tito_addon.model_families import FAMILIES
 from tito_addon.session_tree import SessionStore
-from tito_addon.sglang_backend import SglangBackend
 from tito_addon.tito_errors import TitoError
 from tito_addon.tito_settings import TitoSettings, backend_url_from_env, normalize_backend_url
 from tito_addon.token_engine import TokenEngine, load_tokenizer
@@ -44,7 +44,12 @@ class TitoAddon:
         self.service: TurnService | None = None
 
     def load(self, loader: Any) -> None:
-        loader.add_option("tito_backend_kind", str, "sglang", "Backend protocol: sglang.")
+        loader.add_option(
+            "tito_backend_kind",
+            str,
+            "sglang",
+            "Backend protocol: sglang (input_ids) or vllm (render/generate/derender).",
+        )
         loader.add_option(
             "tito_backend_url",
             str,
@@ -102,7 +107,7 @@ class TitoAddon:
         self.engine = engine
         self.service = TurnService(
             engine,
-            SglangBackend(self.client),
+            make_backend(settings.backend_kind, self.client),
             self.store,
             TrajectoryRecorder(settings.record_dir),
             session_header=settings.session_header,

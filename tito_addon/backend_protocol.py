@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tito_addon.tito_errors import UpstreamMalformed
-from tito_addon.wire_models import AssistantMessage
+from tito_addon.wire_models import AssistantMessage, ChatRequest
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class BackendTurn:
     chat_body: dict[str, Any]  # the agent's request, with the effective chat_template_kwargs
     prompt_ids: list[int]
     headers: dict[str, str]  # headers to forward (authorization included; never recorded)
+    stop_texts: dict[int, str] = field(default_factory=dict)  # the model's stop ids and their literal text
 
 
 @dataclass
@@ -38,6 +39,9 @@ class BackendResult:
 
 class Backend(Protocol):
     kind: str
+
+    def check_request(self, request: ChatRequest) -> None:
+        """Refuse (BadRequest) what this kind cannot serve, before any state is looked at."""
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult: ...
 

@@ -57,6 +57,9 @@ class TurnRecord(BaseModel):
     assistant_message: dict[str, Any]
     finish_reason: str | None
     ambiguous_parent: bool = False
+    # vLLM: does the server's own from-scratch render equal our ids? {equal, first_divergence}; null on sglang.
+    render_skew: dict[str, Any] | None = None
+    backend_version: str | None = None
     tokenizer: TokenizerInfo
 
     def dump_line(self) -> str:

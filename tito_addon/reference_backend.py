@@ -432,6 +432,73 @@ def _parse_output(
 
 
 # --------------------------------------------------------------------------------------
+# non-canonical token splits (shared with the vLLM replica)
+# --------------------------------------------------------------------------------------
+
+
+def _noncanonical_ids(
+    tok: _Tokenizer, text: str, spans: list[tuple[int, int]], fallback: list[tuple[int, int]], *, enabled: bool
+) -> tuple[list[int], list[int]]:
+    """Encode ``text`` canonically, then split one ordinary token per span (at most two).
+
+    Returns the ids and the completion indices where each split pair starts.
+    """
+    ids, offsets = tok.encode_with_offsets(text)
+    if not enabled:
+        return ids, []
+    chosen = _pick_splits(tok, text, ids, offsets, spans) or _pick_splits(tok, text, ids, offsets, fallback[:1])
+    out = list(ids)
+    for i, pair in sorted(chosen, reverse=True):
+        out[i : i + 1] = list(pair)
+    if tok.decode(out) != tok.decode(ids):  # pragma: no cover - byte-level BPE guarantees this
+        return ids, []
+    starts = sorted(i for i, _ in chosen)
+    return out, [s + k for k, s in enumerate(starts)]
+
+
+def _pick_splits(
+    tok: _Tokenizer, text: str, ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
+) -> list[tuple[int, tuple[int, int]]]:
+    seed = _stable_int("split", text)
+    chosen: list[tuple[int, tuple[int, int]]] = []
+    for lo, hi in spans[:2]:
+        cands: list[tuple[int, tuple[int, int]]] = []
+        for i, (tid, (s, e)) in enumerate(zip(ids, offsets, strict=True)):
+            if tid >= tok.first_added or not (lo <= s and e <= hi):
+                continue
+            core = tok.piece(tid).removeprefix("Ġ")
+            if len(core) < 3 or not (core.isascii() and core.isalpha()):
+                continue
+            pair = tok.split_of(tid)
+            if pair is not None:
+                cands.append((i, pair))
+        if cands:
+            chosen.append(cands[seed % len(cands)])
+    return chosen
+
+
+async def _stall_or_reset(request: web.Request, fault: str, stopping: asyncio.Event | None) -> web.StreamResponse:
+    """``stall``: hold the request until shutdown (or an hour); then (and for ``reset``) send
+    response headers plus a few bytes of a JSON body and abort the connection."""
+    if fault == "stall" and stopping is not None:
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=3600)
+        except TimeoutError:
+            pass
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "Content-Length": "4096"})
+    transport = request.transport
+    try:
+        if transport is not None and not transport.is_closing():
+            await resp.prepare(request)
+            await resp.write(b'{"id": "')
+    except ConnectionError:  # the client already went away
+        pass
+    if transport is not None:
+        transport.abort()
+    return resp
+
+
+# --------------------------------------------------------------------------------------
 # one generation
 # --------------------------------------------------------------------------------------
 
@@ -642,24 +709,8 @@ class ReferenceBackend:
             return _json_response({"object": "error", "message": "injected", "code": code}, status=code)
         if fault == "not_json":
             return web.Response(status=200, body=b"{weird", content_type="application/json")
-        if fault == "stall":
-            assert self._stopping is not None
-            try:
-                await asyncio.wait_for(self._stopping.wait(), timeout=3600)
-            except TimeoutError:
-                pass
-        # "reset" (and a stall interrupted by shutdown): headers out, then abort the connection
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "Content-Length": "4096"})
-        transport = request.transport
-        try:
-            if transport is not None and not transport.is_closing():
-                await resp.prepare(request)
-                await resp.write(b'{"id": "')
-        except ConnectionError:  # the client already went away
-            pass
-        if transport is not None:
-            transport.abort()
-        return resp
+        # "stall" / "reset": headers out, then abort the connection
+        return await _stall_or_reset(request, fault, self._stopping)
 
     def _validate(self, body: dict[str, Any], stream: bool) -> None:
         messages = body.get("messages")
@@ -715,43 +766,7 @@ class ReferenceBackend:
     def _noncanonical(
         self, text: str, spans: list[tuple[int, int]], fallback: list[tuple[int, int]]
     ) -> tuple[list[int], list[int]]:
-        """Encode ``text`` canonically, then split one ordinary token per span (at most two).
-
-        Returns the ids and the completion indices where each split pair starts.
-        """
-        tok = self.tokenizer
-        ids, offsets = tok.encode_with_offsets(text)
-        if not self.config.noncanonical:
-            return ids, []
-        chosen = self._pick_splits(text, ids, offsets, spans) or self._pick_splits(text, ids, offsets, fallback[:1])
-        out = list(ids)
-        for i, pair in sorted(chosen, reverse=True):
-            out[i : i + 1] = list(pair)
-        if tok.decode(out) != tok.decode(ids):  # pragma: no cover - byte-level BPE guarantees this
-            return ids, []
-        starts = sorted(i for i, _ in chosen)
-        return out, [s + k for k, s in enumerate(starts)]
-
-    def _pick_splits(
-        self, text: str, ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
-    ) -> list[tuple[int, tuple[int, int]]]:
-        tok = self.tokenizer
-        seed = _stable_int("split", text)
-        chosen: list[tuple[int, tuple[int, int]]] = []
-        for lo, hi in spans[:2]:
-            cands: list[tuple[int, tuple[int, int]]] = []
-            for i, (tid, (s, e)) in enumerate(zip(ids, offsets, strict=True)):
-                if tid >= tok.first_added or not (lo <= s and e <= hi):
-                    continue
-                core = tok.piece(tid).removeprefix("Ġ")
-                if len(core) < 3 or not (core.isascii() and core.isalpha()):
-                    continue
-                pair = tok.split_of(tid)
-                if pair is not None:
-                    cands.append((i, pair))
-            if cands:
-                chosen.append(cands[seed % len(cands)])
-        return chosen
+        return _noncanonical_ids(self.tokenizer, text, spans, fallback, enabled=self.config.noncanonical)
 
     def _generate(self, body: dict[str, Any], t0: float) -> _Generation:
         tok = self.tokenizer
@@ -1089,16 +1104,27 @@ class ReplicaThread:
     def __init__(
         self, config: ReplicaConfig | str, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0
     ) -> None:
-        self.config = config if isinstance(config, ReplicaConfig) else ReplicaConfig(tokenizer=str(config))
+        self.config = self._coerce_config(config)
         self.host = host
         self._want_port = port
         self._start_timeout = start_timeout
-        self.backend = ReferenceBackend(self.config)
+        self.backend = self._make_backend(self.config)
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+
+    #: name of the background thread (subclasses serving another replica override it)
+    thread_name = "reference-backend"
+
+    @staticmethod
+    def _coerce_config(config: Any) -> Any:
+        return config if isinstance(config, ReplicaConfig) else ReplicaConfig(tokenizer=str(config))
+
+    def _make_backend(self, config: Any) -> Any:
+        """The backend to serve; it needs start/stop, received_copy, generated, _lock, set_faults, reset."""
+        return ReferenceBackend(config)
 
     @property
     def url(self) -> str:
@@ -1110,7 +1136,7 @@ class ReplicaThread:
     def start(self) -> ReplicaThread:
         if self._thread is not None:
             return self
-        self._thread = threading.Thread(target=self._run, name="reference-backend", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
         if not self._ready.wait(self._start_timeout):
             raise RuntimeError("reference backend did not start in time")

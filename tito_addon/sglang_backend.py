@@ -21,6 +21,7 @@ from tito_addon.backend_protocol import (
 )
 from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 from tito_addon.upstream_client import UpstreamClient
+from tito_addon.wire_models import ChatRequest
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ class SglangBackend:
 
     def __init__(self, client: UpstreamClient) -> None:
         self.client = client
+
+    def check_request(self, request: ChatRequest) -> None:
+        """sglang serves any valid chat request."""
 
     @staticmethod
     def upstream_body(turn: BackendTurn) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tito_addon.model_families import FAMILIES
 from tito_addon.token_engine import APPENDABLE_ROLES, FORBIDDEN_KWARGS
 
-BACKEND_KINDS = ("sglang",)
+BACKEND_KINDS = ("sglang", "vllm")
 BACKEND_URL_ENV = ("TITO_BACKEND_URL", "SGLANG_BASE_URL", "VLLM_BASE_URL")
 
 

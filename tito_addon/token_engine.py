@@ -106,6 +106,7 @@ class TokenEngine:
         if family.single_token_newline and len(self.encode("\n")) != 1:
             raise ValueError(f"family {family.name} needs a tokenizer that encodes '\\n' as one token")
         self.stop_ids = self._stop_ids()
+        self.stop_texts = {i: str(self.tokenizer.convert_ids_to_tokens(i)) for i in self.stop_ids}
         self.end_of_turn_ids = self._end_of_turn_ids()
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
         self.tokenizer_sha256 = self._tokenizer_sha256()

@@ -174,6 +174,7 @@ class TurnService:
         if session_id is None and match.group("sid") is not None:
             session_id = checked_session_id(unquote(match.group("sid")), "path")
         request = parse_body(body)
+        self.backend.check_request(request)
         if session_id is not None and session_id not in self.store.sessions:
             self.restore(session_id)
         kwargs = self.engine.effective_kwargs(request.chat_template_kwargs)
@@ -202,7 +203,8 @@ class TurnService:
         chat_body["chat_template_kwargs"] = prepared.kwargs
         chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
         forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
-        result = await self.backend.run_turn(BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward))
+        turn = BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward, self.engine.stop_texts)
+        result = await self.backend.run_turn(turn)
         node = self.commit(prepared, result, headers.get("x-request-id"))
         metadata = {
             "session_id": node.session.session_id,
@@ -254,6 +256,8 @@ class TurnService:
             assistant_message=result.message,
             finish_reason=result.finish_reason,
             ambiguous_parent=prepared.attachment.ambiguous and parent is not None,
+            render_skew=result.extra.get("render_skew"),
+            backend_version=result.extra.get("backend_version"),
             tokenizer=TokenizerInfo(
                 name=self.engine.tokenizer_name,
                 tokenizer_sha256=self.engine.tokenizer_sha256,

@@ -48,12 +48,17 @@ class UpstreamClient:
         return self._session
 
     async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
-        shown = _without_credentials(url)
         payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-        send_headers = {**headers, "content-type": "application/json"}
+        return await self._request("POST", url, {**headers, "content-type": "application/json"}, payload)
+
+    async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
+        return await self._request("GET", url, dict(headers), None)
+
+    async def _request(self, method: str, url: str, headers: dict[str, str], payload: bytes | None) -> UpstreamResponse:
+        shown = _without_credentials(url)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with self._client().post(url, data=payload, headers=send_headers, timeout=timeout) as response:
+            async with self._client().request(method, url, data=payload, headers=headers, timeout=timeout) as response:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("content-type"), data)
         except TimeoutError as exc:

@@ -1,0 +1,17 @@
+"""The backend kinds the addon can drive, by option value."""
+
+from __future__ import annotations
+
+from tito_addon.backend_protocol import Backend
+from tito_addon.sglang_backend import SglangBackend
+from tito_addon.upstream_client import UpstreamClient
+from tito_addon.vllm_backend import VllmBackend
+
+BACKENDS: dict[str, type[SglangBackend] | type[VllmBackend]] = {"sglang": SglangBackend, "vllm": VllmBackend}
+
+
+def make_backend(kind: str, client: UpstreamClient) -> Backend:
+    try:
+        return BACKENDS[kind](client)
+    except KeyError:
+        raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}") from None
