@@ -395,10 +395,11 @@ class VllmReplica:
     # ----------------------------------------------------------------- shared request plumbing
     async def _begin(
         self, request: web.Request, endpoint: str
-    ) -> tuple[dict[str, Any] | None, web.StreamResponse | None]:
+    ) -> tuple[dict[str, Any] | None, web.StreamResponse | None, str | None]:
         """Read + record the body, apply gating and transport/status faults.
 
-        Returns ``(body, None)`` to continue, or ``(None, response)`` to answer right away.
+        Returns ``(body, None, body_fault)`` to continue, or ``(None, response, None)`` to answer
+        right away.
         """
         raw = await request.read()
         try:
@@ -406,7 +407,7 @@ class VllmReplica:
         except (ValueError, UnicodeDecodeError) as exc:
             with self._lock:
                 self.received.append((request.path, {"_raw": raw.decode("utf-8", "replace")}))
-            return None, _json_response(_error_body(400, f"Invalid JSON body: {exc}"), status=400)
+            return None, _json_response(_error_body(400, f"Invalid JSON body: {exc}"), status=400), None
         with self._lock:
             self.received.append((request.path, body if isinstance(body, dict) else {"_raw": body}))
         if self.v32 and not self.config.enable_scale_out:
@@ -414,21 +415,21 @@ class VllmReplica:
                 f"{request.path} is a scale-out endpoint, which is disabled on this server. "
                 "Start vLLM with --enable-scale-out to enable it."
             )
-            return None, _json_response(_error_body(403, msg), status=403)
+            return None, _json_response(_error_body(403, msg), status=403), None
         fault = self._pop_fault(endpoint)
         if fault is not None:
             m = _HTTP_FAULT.fullmatch(fault)
             if m:
                 code = int(m.group(1))
-                return None, _json_response(_error_body(code, f"injected fault ({endpoint}:{fault})"), status=code)
+                body_ = _error_body(code, f"injected fault ({endpoint}:{fault})")
+                return None, _json_response(body_, status=code), None
             if fault == "not_json":
-                return None, web.Response(status=200, body=b"{weird", content_type="application/json")
+                return None, web.Response(status=200, body=b"{weird", content_type="application/json"), None
             if fault in ("stall", "reset"):
-                return None, await _stall_or_reset(request, fault, self._stopping)
-            request["vllm_fault"] = fault  # a body fault, applied to the answer
+                return None, await _stall_or_reset(request, fault, self._stopping), None
         if not isinstance(body, dict):
-            return None, _json_response(_error_body(400, "Request body must be a JSON object."), status=400)
-        return body, None
+            return None, _json_response(_error_body(400, "Request body must be a JSON object."), status=400), None
+        return body, None, fault  # a remaining fault is a body fault, applied to the answer
 
     def _check_model(self, model: Any) -> None:
         if model is None:
@@ -438,7 +439,7 @@ class VllmReplica:
 
     # ----------------------------------------------------------------- render
     async def _render(self, request: web.Request) -> web.StreamResponse:
-        body, early = await self._begin(request, "render")
+        body, early, fault = await self._begin(request, "render")
         if early is not None:
             return early
         assert body is not None
@@ -660,11 +661,10 @@ class VllmReplica:
 
     # ----------------------------------------------------------------- generate
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body, early = await self._begin(request, "generate")
+        body, early, fault = await self._begin(request, "generate")
         if early is not None:
             return early
         assert body is not None
-        fault: str | None = request.get("vllm_fault")
         try:
             gen = self._run_model(body, request)
         except _HttpError as exc:
@@ -891,11 +891,10 @@ class VllmReplica:
 
     # ----------------------------------------------------------------- derender
     async def _derender(self, request: web.Request) -> web.StreamResponse:
-        body, early = await self._begin(request, "derender")
+        body, early, fault = await self._begin(request, "derender")
         if early is not None:
             return early
         assert body is not None
-        fault: str | None = request.get("vllm_fault")
         try:
             out = self._derender_body(body)
         except _HttpError as exc:
@@ -1029,7 +1028,9 @@ class VllmReplica:
             if tool_choice is None:
                 tool_choice = "auto" if tools else "none"
             if self.config.tool_parser and tool_choice != "none":
-                calls, content = parse_hermes_tool_calls(content if content is not None else "")
+                calls, parsed = parse_hermes_tool_calls(content if content is not None else "")
+                if calls:  # no calls: vLLM keeps the reasoning parser's content (None stays None)
+                    content = parsed
             if parse_request.get("include_reasoning") is False:
                 reasoning = None
         else:
