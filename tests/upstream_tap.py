@@ -29,24 +29,24 @@ class UpstreamTap:
     def of(self, path: str) -> list[dict[str, Any]]:
         return [c for c in self.calls if c["path"] == path]
 
-    async def _forward(self, request: web.Request) -> web.Response:
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        call: dict[str, Any] = {"method": request.method, "path": request.path, "request": _json(body), "status": None}
+        self.calls.append(call)  # before forwarding: a call that stalls or fails is still seen
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        async with aiohttp.ClientSession() as session:
-            async with session.request(
-                request.method, self.target + request.path_qs, data=body or None, headers=headers
-            ) as response:
-                data = await response.read()
-                status, content_type = response.status, response.headers.get("content-type", "application/json")
-        self.calls.append(
-            {
-                "method": request.method,
-                "path": request.path,
-                "request": _json(body),
-                "status": status,
-                "response": _json(data),
-            }  # fmt: skip
-        )
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.request(
+                    request.method, self.target + request.path_qs, data=body or None, headers=headers
+                ) as response:
+                    data = await response.read()
+                    status, content_type = response.status, response.headers.get("content-type", "application/json")
+        except aiohttp.ClientError:
+            # The backend reset the connection: do the same to the proxy.
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=502)
+        call.update(status=status, response=_json(data), response_bytes=data)
         return web.Response(status=status, body=data, headers={"content-type": content_type})
 
     def _run(self) -> None:
