@@ -185,11 +185,17 @@ def test_eos_text_is_removed_from_content(vllm: Stack) -> None:
 
 
 def test_an_unmodified_derender_body_reaches_the_agent_byte_for_byte(vllm: Stack) -> None:
+    session = sid("bytes")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there."}], "max_tokens": 5, "logprobs": True}
-    response = post(vllm.proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": sid("bytes")})
+    response = post(vllm.proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": session})
     assert response.status_code == 200
+    message = json.loads(response.content)["choices"][0]["message"]
     assert json.loads(response.content)["choices"][0]["finish_reason"] == "length"
     assert response.content == vllm.tap.of(DERENDER)[0]["response_bytes"]
+    # A thinking turn cut off by max_tokens is reasoning only: valid, served and recorded.
+    assert message["reasoning"] and not message["content"] and not message.get("tool_calls")
+    turns, ids = vllm.records(session)
+    assert turns[0].finish_reason == "length" and len(ids[0][1]) == 5
 
 
 def test_max_tokens_of_sixteen_is_put_back(vllm: Stack) -> None:

@@ -540,7 +540,33 @@ def _json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, text=text, content_type="application/json", charset="utf-8")
 
 
-class ReferenceBackend:
+class ServedApp:
+    """An aiohttp app bound on loopback, with a stop that also releases handlers stalled on purpose."""
+
+    app: web.Application
+    _stopping: asyncio.Event | None = None
+    _runner: web.AppRunner | None = None
+    port: int | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind and serve; returns the bound port."""
+        self._stopping = asyncio.Event()
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()  # releases stalled handlers
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+
+class ReferenceBackend(ServedApp):
     """The sglang replica: an aiohttp app plus its state (received bodies, fault queue, cache)."""
 
     def __init__(self, config: ReplicaConfig) -> None:
@@ -553,9 +579,6 @@ class ReferenceBackend:
         self._faults: list[str] = []
         self._lock = threading.Lock()
         self._cache: list[list[int]] = []  # simulated radix cache (most recent last)
-        self._stopping: asyncio.Event | None = None
-        self._runner: web.AppRunner | None = None
-        self.port: int | None = None
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
@@ -566,25 +589,6 @@ class ReferenceBackend:
         self.app.router.add_get("/_replica/requests", self._replica_requests)
         self.app.router.add_post("/_replica/faults", self._replica_faults)
         self.app.router.add_post("/_replica/reset", self._replica_reset)
-
-    # ----------------------------------------------------------------- lifecycle
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind and serve; returns the bound port."""
-        self._stopping = asyncio.Event()
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = self._runner.addresses[0][1]
-        self.port = int(bound)
-        return self.port
-
-    async def stop(self) -> None:
-        if self._stopping is not None:
-            self._stopping.set()  # releases stalled handlers
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
 
     # ----------------------------------------------------------------- test controls
     def set_faults(self, faults: list[str]) -> None:

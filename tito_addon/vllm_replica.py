@@ -44,6 +44,7 @@ from tito_addon.reference_backend import (
     _THINK_START,
     _TOOL_START,
     ReplicaThread,
+    ServedApp,
     _completion_text,
     _json_response,
     _load_tokenizer,
@@ -269,7 +270,7 @@ def _token_text(tok: _Tokenizer, tid: int, context: list[int]) -> str:
 # --------------------------------------------------------------------------------------
 
 
-class VllmReplica:
+class VllmReplica(ServedApp):
     """The vLLM scale-out replica: an aiohttp app plus its state (received bodies, faults)."""
 
     def __init__(self, config: VllmReplicaConfig) -> None:
@@ -281,9 +282,6 @@ class VllmReplica:
         self.generated: list[dict[str, Any]] = []
         self._faults: list[tuple[str, str]] = []
         self._lock = threading.Lock()
-        self._stopping: asyncio.Event | None = None
-        self._runner: web.AppRunner | None = None
-        self.port: int | None = None
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
         self.app.router.add_get("/version", self._version)
         self.app.router.add_get("/health", self._health)
@@ -299,24 +297,6 @@ class VllmReplica:
     def _random_id(self) -> str:
         """vLLM's ``random_uuid()``: 16 hex digits in 0.32, a full uuid4 hex in 0.24."""
         return uuid.uuid4().hex[:16] if self.v32 else uuid.uuid4().hex
-
-    # ----------------------------------------------------------------- lifecycle
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind and serve; returns the bound port."""
-        self._stopping = asyncio.Event()
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._stopping is not None:
-            self._stopping.set()  # releases stalled handlers
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
 
     # ----------------------------------------------------------------- test controls
     def set_faults(self, faults: list[str]) -> None:

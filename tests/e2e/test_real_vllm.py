@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import tokenizer_path
+from conftest import TOOLS, tokenizer_path
 from proxy_harness import REPO, Mitmdump
 from upstream_tap import UpstreamTap
 
@@ -31,16 +31,6 @@ from tito_addon.record_reader import read_session_file
 pytestmark = pytest.mark.e2e
 
 VENV = Path(os.environ.get("TITO_VLLM_VENV", REPO / ".venv-vllm"))
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }
-]
 CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo|Lima)"\}\}\n</tool_call>'
 ANSWER = r"It is (sunny|rainy|windy) in (Paris|Oslo|Lima)\."
 
