@@ -115,7 +115,10 @@ def test_automatic_sessions_are_found_by_their_messages() -> None:
     follow = [u2, A1, M(role="user", content="next")]
     found = store.locate(None, keys(follow), reasonings(follow))
     assert found.session is s2 and found.parent is t2
-    assert store.locate(None, keys([u1]), reasonings([u1])).session is None
+    # The same first request again (another sample of a GRPO group, or a retry) joins s1 as a new root.
+    again = store.locate(None, keys([u1]), reasonings([u1]))
+    assert again.session is s1 and again.parent is None
+    assert store.locate(None, keys([M(role="user", content="task three")]), [None]).session is None
     assert t1.session is s1
 
 
@@ -128,3 +131,45 @@ def test_identical_siblings_are_resolved_deterministically_and_flagged() -> None
     found = store.locate("s", keys(follow), reasonings(follow))
     assert found.parent is a and found.ambiguous
     assert b.turn_id == 1
+
+
+def test_sweep_closes_idle_then_least_recently_used_but_never_in_flight() -> None:
+    store = SessionStore(idle_timeout=100, max_sessions=2)
+    sessions = [store.new_session(f"s{i}") for i in range(4)]
+    for i, session in enumerate(sessions):
+        commit(store, session, None, [], [M(role="user", content=f"q{i}")], A1)
+    now = sessions[-1].last_used
+    sessions[0].last_used = now - 500  # idle
+    sessions[1].inflight = 1  # busy: never evicted
+    closed = store.sweep(now)
+    assert [(s.session_id, why) for s, why in closed] == [("s0", "idle"), ("s2", "evicted")]
+    assert list(store.sessions) == ["s1", "s3"]
+    sessions[1].inflight = 0
+    store.touch(sessions[1])
+    assert list(store.sessions) == ["s3", "s1"]
+
+
+def test_evicted_automatic_sessions_leave_the_indexes() -> None:
+    store = SessionStore(max_sessions=1)
+    first, second = store.new_session(None), store.new_session(None)
+    u1, u2 = M(role="user", content="one"), M(role="user", content="two")
+    commit(store, first, None, [], [u1], A1)
+    commit(store, second, None, [], [u2], A1)
+    assert [s for s, _ in store.sweep()] == [first]
+    assert store.locate(None, keys([u1, A1]), reasonings([u1, A1])).session is None
+    assert store.locate(None, keys([u1]), [None]).session is None
+    assert store.locate(None, keys([u2, A1]), reasonings([u2, A1])).session is second
+
+
+def test_a_thousand_turn_history_is_located_without_recursion_limits() -> None:
+    store = SessionStore()
+    session = store.new_session("long")
+    history: list[ChatMessage] = []
+    parent = None
+    for i in range(1500):
+        appended = [M(role="user", content=f"u{i}")]
+        reply = M(role="assistant", content=f"a{i}")
+        parent = commit(store, session, parent, history, appended, reply, ids=(i,), completion=(i,))
+        history += appended + [reply]
+    found = store.locate("long", keys(history), reasonings(history))
+    assert found.parent is parent and found.matched == 3000

@@ -7,10 +7,12 @@ exception becomes a 500 JSON reply, because mitmproxy would otherwise forward th
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import command, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.utils import asyncio_utils
 from pydantic import ValidationError
@@ -27,6 +29,8 @@ from tito_addon.upstream_client import UpstreamClient
 
 logger = logging.getLogger(__name__)
 
+SWEEP_INTERVAL_S = 5.0
+
 # Options whose change needs a new token engine (and so a new tokenizer load).
 ENGINE_OPTIONS = {
     "tito_tokenizer", "tito_model_family", "tito_append_roles", "tito_chat_template_kwargs", "tito_trust_remote_code",
@@ -42,6 +46,7 @@ class TitoAddon:
         self.store = SessionStore()
         self.client = UpstreamClient()
         self.service: TurnService | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -69,6 +74,15 @@ class TitoAddon:
         loader.add_option("tito_session_header", str, "x-session-id", "Request header that names the session.")
         loader.add_option("tito_trust_remote_code", bool, False, "Allow the tokenizer to run code from its repository.")
         loader.add_option("tito_upstream_timeout", int, 600, "Seconds to wait for the backend before answering 504.")
+        loader.add_option(
+            "tito_session_idle_timeout", int, 1800, "Close a session unused for this many seconds (0: never)."
+        )
+        loader.add_option(
+            "tito_max_sessions",
+            int,
+            10000,
+            "Live sessions kept; the least recently used closes first (0: no limit).",
+        )
 
     def configure(self, updated: set[str]) -> None:
         if not any(name.startswith("tito_") for name in updated):
@@ -93,6 +107,8 @@ class TitoAddon:
                 session_header=opts.tito_session_header,
                 trust_remote_code=opts.tito_trust_remote_code,
                 upstream_timeout=opts.tito_upstream_timeout,
+                session_idle_timeout=opts.tito_session_idle_timeout,
+                max_sessions=opts.tito_max_sessions,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -103,6 +119,8 @@ class TitoAddon:
         if engine is None or updated & ENGINE_OPTIONS:
             engine = self._build_engine(settings)
         self.client.timeout_s = settings.upstream_timeout
+        self.store.idle_timeout = settings.session_idle_timeout
+        self.store.max_sessions = settings.max_sessions
         self.settings = settings
         self.engine = engine
         self.service = TurnService(
@@ -138,6 +156,33 @@ class TitoAddon:
         except (ValueError, TitoError) as exc:
             raise exceptions.OptionsError(f"tito: {exc}") from exc
         return engine
+
+    def running(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio_utils.create_task(self._sweep_forever(), name="tito-session-sweep", keep_ref=True)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            if self.service is not None:
+                try:
+                    self.service.sweep()
+                except Exception:
+                    logger.exception("tito: session sweep failed")
+
+    @command.command("tito.sessions")
+    def sessions(self) -> str:
+        """Live sessions: id, turns, tokens, turns in flight and idle seconds."""
+        now = time.time()
+        rows = [f"{'session':36} {'turns':>6} {'tokens':>9} {'busy':>4} {'idle s':>7}"]
+        for session in self.store.sessions.values():
+            rows.append(
+                f"{session.session_id[:36]:36} {session.turns:>6} {session.tokens:>9} {session.inflight:>4} "
+                f"{now - session.last_used:>7.0f}"
+            )
+        table = "\n".join(rows)
+        logger.info("tito sessions (%d live):\n%s", len(self.store.sessions), table)
+        return table
 
     def backend_base_url(self, flow: http.HTTPFlow) -> str:
         assert self.settings is not None
@@ -179,6 +224,9 @@ class TitoAddon:
         return await self.service.handle(flow.request.path, headers, body, self.backend_base_url(flow))
 
     def done(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self.service is not None:
             self.service.close_all("shutdown")
         try:

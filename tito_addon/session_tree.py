@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,16 @@ class ChildIndex:
 
     def add(self, node: TurnNode) -> None:
         self.by_length.setdefault(len(node.segment_keys), {}).setdefault(node.segment_keys, []).append(node)
+
+    def remove(self, node: TurnNode) -> None:
+        table = self.by_length.get(len(node.segment_keys), {})
+        nodes = table.get(node.segment_keys, [])
+        if node in nodes:
+            nodes.remove(node)
+            if not nodes:
+                del table[node.segment_keys]
+            if not table:
+                self.by_length.pop(len(node.segment_keys), None)
 
     def candidates(self, keys: Sequence[MessageKey], start: int) -> Iterable[TurnNode]:
         for length, table in self.by_length.items():
@@ -95,6 +106,10 @@ class Session:
     tokens: int = 0
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    inflight: int = 0
+    # First-request keys under which this (automatic) session is indexed as a prompt group.
+    prompt_keys: list[SegmentKey] = field(default_factory=list)
+    root_nodes: list[TurnNode] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -108,13 +123,19 @@ class Attachment:
 
 
 class SessionStore:
-    """All live sessions, with a prefix index over automatic sessions' first turns."""
+    """All live sessions in least-recently-used order, with prefix indexes over automatic sessions.
 
-    def __init__(self) -> None:
-        self.sessions: dict[str, Session] = {}
-        # First turns of sessions that carry no client-given id, keyed by their messages, so a request
-        # finds the session it continues without scanning sessions.
+    `auto_roots` finds the session a request continues from its messages alone; `auto_prompts` groups identical
+    first requests (a GRPO group, or retries) into one session whose samples are sibling roots. Lookups cost
+    what the request's messages cost to hash, whatever the number of live sessions.
+    """
+
+    def __init__(self, *, idle_timeout: float = 0.0, max_sessions: int = 0) -> None:
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.auto_roots = ChildIndex()
+        self.auto_prompts: dict[SegmentKey, Session] = {}
+        self.idle_timeout = idle_timeout
+        self.max_sessions = max_sessions
 
     def locate(
         self, session_id: str | None, keys: Sequence[MessageKey], reasonings: Sequence[str | None]
@@ -123,31 +144,71 @@ class SessionStore:
             session = self.sessions.get(session_id)
             if session is None:
                 return Attachment(None, None, 0)
-            node, ambiguous = self._deepest(session.roots, keys, reasonings, 0)
+            node, ambiguous = self._deepest(session.roots, keys, reasonings)
             return Attachment(session, node, node.message_end if node else 0, ambiguous)
-        node, ambiguous = self._deepest(self.auto_roots, keys, reasonings, 0)
+        node, ambiguous = self._deepest(self.auto_roots, keys, reasonings)
         if node is None:
-            return Attachment(None, None, 0)
+            return Attachment(self.auto_prompts.get(tuple(keys)), None, 0)
         return Attachment(node.session, node, node.message_end, ambiguous)
 
+    @staticmethod
     def _deepest(
-        self, index: ChildIndex, keys: Sequence[MessageKey], reasonings: Sequence[str | None], start: int
+        index: ChildIndex, keys: Sequence[MessageKey], reasonings: Sequence[str | None]
     ) -> tuple[TurnNode | None, bool]:
-        """Deepest matching turn below `index`; on equal depth the oldest wins (ambiguous=True)."""
-        best: TurnNode | None = None
-        ambiguous = False
-        for candidate in index.candidates(keys, start):
-            if not candidate.reasoning_compatible(reasonings, start):
-                continue
-            deeper, deeper_ambiguous = self._deepest(candidate.children, keys, reasonings, candidate.message_end)
-            found = deeper or candidate
-            if best is None or found.message_end > best.message_end:
-                best, ambiguous = found, deeper_ambiguous
-            elif found.message_end == best.message_end:
-                ambiguous = True
-                if (found.session.created, found.turn_id) < (best.session.created, best.turn_id):
-                    best = found
-        return best, ambiguous
+        """Deepest matching turn below `index`; on equal depth the oldest wins and the match is ambiguous.
+
+        Iterative, so a history of any number of turns is walked without recursion limits."""
+        matches: list[TurnNode] = []
+        pending = [(index, 0)]
+        while pending:
+            children, start = pending.pop()
+            for candidate in children.candidates(keys, start):
+                if candidate.reasoning_compatible(reasonings, start):
+                    matches.append(candidate)
+                    pending.append((candidate.children, candidate.message_end))
+        if not matches:
+            return None, False
+        depth = max(node.message_end for node in matches)
+        deepest = [node for node in matches if node.message_end == depth]
+        best = min(deepest, key=lambda node: (node.session.created, node.turn_id))
+        return best, len(deepest) > 1
+
+    def touch(self, session: Session) -> None:
+        if session.session_id in self.sessions:
+            self.sessions.move_to_end(session.session_id)
+        session.last_used = time.time()
+
+    def sweep(self, now: float | None = None) -> list[tuple[Session, str]]:
+        """Remove idle sessions, then the least recently used beyond capacity; never one with a turn in flight.
+        Returns what was removed and why (`idle`, `evicted`), for the recorder to close."""
+        now = time.time() if now is None else now
+        closed: list[tuple[Session, str]] = []
+        if self.idle_timeout > 0:
+            for session in list(self.sessions.values()):
+                if now - session.last_used < self.idle_timeout:
+                    break  # LRU order: everything after this one was used more recently
+                if session.inflight == 0:
+                    closed.append((session, "idle"))
+        if self.max_sessions > 0:
+            excess = len(self.sessions) - len(closed) - self.max_sessions
+            leaving = {id(s) for s, _ in closed}
+            for session in list(self.sessions.values()):
+                if excess <= 0:
+                    break
+                if session.inflight == 0 and id(session) not in leaving:
+                    closed.append((session, "evicted"))
+                    excess -= 1
+        for session, _ in closed:
+            self.remove(session)
+        return closed
+
+    def remove(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        for root in session.root_nodes:
+            self.auto_roots.remove(root)
+        for keys in session.prompt_keys:
+            if self.auto_prompts.get(keys) is session:
+                del self.auto_prompts[keys]
 
     def new_session(self, session_id: str | None) -> Session:
         if session_id is None:
@@ -169,6 +230,7 @@ class SessionStore:
     ) -> TurnNode:
         """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
         live = self.sessions.setdefault(session.session_id, session)
+        self.sessions.move_to_end(live.session_id)
         if turn_id is None:
             turn_id = live.next_turn_id
         node = TurnNode(
@@ -193,4 +255,9 @@ class SessionStore:
             live.roots.add(node)
             if live.automatic:
                 self.auto_roots.add(node)
+                live.root_nodes.append(node)
+                prompt = segment_keys[:-1]
+                if prompt not in self.auto_prompts:
+                    self.auto_prompts[prompt] = live
+                    live.prompt_keys.append(prompt)
         return node

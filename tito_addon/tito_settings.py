@@ -51,6 +51,8 @@ class TitoSettings(BaseModel):
     session_header: str = "x-session-id"
     trust_remote_code: bool = False
     upstream_timeout: float = 600.0
+    session_idle_timeout: float = 1800.0
+    max_sessions: int = 10000
 
     @field_validator("backend_kind")
     @classmethod
@@ -121,4 +123,11 @@ class TitoSettings(BaseModel):
     def _timeout(cls, value: float) -> float:
         if value <= 0:
             raise ValueError("must be positive")
+        return value
+
+    @field_validator("session_idle_timeout", "max_sessions")
+    @classmethod
+    def _not_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be 0 (no limit) or positive")
         return value

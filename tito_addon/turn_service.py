@@ -23,7 +23,7 @@ from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn
 from tito_addon.message_keys import message_key
 from tito_addon.record_models import SegmentSpan, TokenizerInfo, TurnRecord
 from tito_addon.record_reader import RecordError, read_session_file
-from tito_addon.session_tree import Attachment, SessionStore, TurnNode
+from tito_addon.session_tree import Attachment, Session, SessionStore, TurnNode
 from tito_addon.sse_framing import SSE_HEADERS, sse_from_completion
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
 from tito_addon.token_engine import PromptPiece, TokenEngine
@@ -197,7 +197,19 @@ class TurnService:
         return PreparedTurn(request, session_id, attachment, parent, appended, piece, prompt_ids, kwargs, keys)
 
     async def _handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+        self.sweep()
         prepared = self.prepare(path, headers, body)
+        busy = prepared.attachment.session
+        if busy is not None:
+            busy.inflight += 1  # protects it from eviction while the backend works
+        try:
+            return await self._run(prepared, path, headers, base_url)
+        finally:
+            if busy is not None:
+                busy.inflight -= 1
+                self.store.touch(busy)
+
+    async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
         request = prepared.request
         chat_body = request.model_dump(mode="json", exclude_unset=True, by_alias=True)
         chat_body["chat_template_kwargs"] = prepared.kwargs
@@ -315,11 +327,21 @@ class TurnService:
             session.next_turn_id += len(recorded.skipped_lines)  # never reuse the id of a torn line
         logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
 
+    def sweep(self) -> None:
+        """Close idle sessions and those beyond capacity (never one with a turn in flight)."""
+        for session, reason in self.store.sweep():
+            self._close(session, reason)
+
     def close_all(self, reason: str) -> None:
-        if self.recorder is None:
+        for session in list(self.store.sessions.values()):
+            self.store.remove(session)
+            self._close(session, reason)
+
+    def _close(self, session: Session, reason: str) -> None:
+        logger.info("tito: session %s closed (%s) after %d turns", session.session_id, reason, session.turns)
+        if self.recorder is None or session.turns == 0:
             return
-        for session in self.store.sessions.values():
-            try:
-                self.recorder.close_session(session.session_id, session.turns, reason)
-            except OSError:
-                logger.exception("could not close the record of session %s", session.session_id)
+        try:
+            self.recorder.close_session(session.session_id, session.turns, reason)
+        except OSError:
+            logger.exception("could not close the record of session %s", session.session_id)
