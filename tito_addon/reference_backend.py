@@ -334,6 +334,13 @@ def _script_turn(body: dict[str, Any], thinking: bool) -> _Script:
             f"Turn {turn}: it is 21 °C near the café in {word}. "
             f"Summary: {fragment} -- computed with `round(celsius * 9 / 5 + 32)`."
         )
+    seed = body.get("seed")
+    if type(seed) is int:
+        # Sampling with another seed gives another completion: samples of one prompt (a GRPO group) differ.
+        reasoning += f" Sample {seed}."
+        content = f"(sample {seed}) {content}" if content or not calls else content
+        if calls and not thinking and not content:
+            calls[0] = (calls[0][0], {**calls[0][1], "sample": seed})
     return _Script(reasoning=reasoning if thinking else None, content=content, tool_calls=calls)
 
 

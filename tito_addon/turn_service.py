@@ -218,6 +218,7 @@ class TurnService:
         turn = BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward, self.engine.stop_texts)
         result = await self.backend.run_turn(turn)
         node = self.commit(prepared, result, headers.get("x-request-id"))
+        self.sweep()  # a new session may have taken the store past its capacity
         metadata = {
             "session_id": node.session.session_id,
             "turn_id": node.turn_id,
@@ -238,8 +239,14 @@ class TurnService:
     def commit(self, prepared: PreparedTurn, result: BackendResult, request_id: str | None) -> TurnNode:
         """Write the record line, then add the node. Synchronous, so no other turn can interleave."""
         session = prepared.attachment.session
+        if session is None and prepared.session_id is not None:
+            session = self.store.sessions.get(prepared.session_id)
+        elif session is None:
+            # Looked up again now: identical first requests that were in flight together (a GRPO group)
+            # join the group of whichever committed first.
+            session = self.store.auto_prompts.get(tuple(prepared.keys))
         if session is None:
-            session = self.store.sessions.get(prepared.session_id or "") or self.store.new_session(prepared.session_id)
+            session = self.store.new_session(prepared.session_id)
         assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
         parent = prepared.parent
         segment_keys = tuple(prepared.keys[len(prepared.keys) - len(prepared.appended) :]) + (message_key(assistant),)
