@@ -10,7 +10,7 @@ from mitmproxy.test import taddons, tflow, tutils
 
 from tito_addon import token_engine
 from tito_addon.addon import TitoAddon
-from tito_addon.tito_settings import normalize_backend_url
+from tito_addon.backend_routes import normalize_backend_url
 
 
 def configured(tctx, addon, **options):

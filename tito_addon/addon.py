@@ -18,10 +18,11 @@ from mitmproxy.utils import asyncio_utils
 from pydantic import ValidationError
 
 from tito_addon.backend_kinds import make_backend
+from tito_addon.backend_routes import BackendRoutes, backend_url_from_env
 from tito_addon.model_families import FAMILIES
 from tito_addon.session_tree import SessionStore
 from tito_addon.tito_errors import TitoError
-from tito_addon.tito_settings import TitoSettings, backend_url_from_env, normalize_backend_url
+from tito_addon.tito_settings import TitoSettings
 from tito_addon.token_engine import TokenEngine, load_tokenizer
 from tito_addon.trajectory_recorder import TrajectoryRecorder
 from tito_addon.turn_service import HttpReply, TurnService, is_chat_path, json_reply, strip_session_prefix
@@ -62,6 +63,13 @@ class TitoAddon:
             "Backend base URL. Default: the reverse-mode target, else $TITO_BACKEND_URL, $SGLANG_BASE_URL, "
             "$VLLM_BASE_URL, else the request's own target.",
         )
+        loader.add_option(
+            "tito_backends",
+            str,
+            "",
+            "Comma-separated backend hosts, HOST[:PORT] or HOST[:PORT]=URL: when set, only chat requests to these "
+            "hosts are rewritten (URL: where that host's turns run).",
+        )
         loader.add_option("tito_tokenizer", str, "", "Tokenizer: a Hugging Face model name or a local directory.")
         loader.add_option("tito_model_family", str, "default", f"Boundary and template rules: {', '.join(FAMILIES)}.")
         loader.add_option("tito_record_dir", str, "recordings", "Directory for the per-session JSONL trajectories.")
@@ -99,6 +107,7 @@ class TitoAddon:
             settings = TitoSettings(
                 backend_kind=opts.tito_backend_kind,
                 backend_url=opts.tito_backend_url or None,
+                backends=opts.tito_backends,
                 tokenizer=opts.tito_tokenizer,
                 model_family=opts.tito_model_family,
                 record_dir=opts.tito_record_dir,
@@ -184,14 +193,20 @@ class TitoAddon:
         logger.info("tito sessions (%d live):\n%s", len(self.store.sessions), table)
         return table
 
-    def backend_base_url(self, flow: http.HTTPFlow) -> str:
+    def backend_base_url(self, flow: http.HTTPFlow) -> str | None:
+        """Where this chat flow's turn runs, or None when its host is not a configured backend."""
         assert self.settings is not None
-        if self.settings.backend_url:
-            return self.settings.backend_url
-        own_target = normalize_backend_url(f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}")
-        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
-            return own_target
-        return backend_url_from_env() or own_target
+        routes = BackendRoutes(
+            entries=self.settings.backends,
+            backend_url=self.settings.backend_url or backend_url_from_env(),
+            override_reverse=bool(self.settings.backend_url),
+        )
+        return routes.resolve(
+            reverse=isinstance(flow.client_conn.proxy_mode, ReverseMode),
+            scheme=flow.request.scheme,
+            host=flow.request.host,
+            port=flow.request.port,
+        )
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.error is not None or not flow.live:
@@ -199,6 +214,8 @@ class TitoAddon:
         if getattr(ctx.options, "server_replay", None):
             return  # mitmproxy's own replay answers this flow
         path = flow.request.path
+        if self.settings is not None and self.backend_base_url(flow) is None:
+            return  # not a backend host: this flow is none of our business
         if flow.request.method != "POST" or not is_chat_path(path):
             if path.startswith("/sessions/"):
                 flow.request.path = strip_session_prefix(path)
@@ -221,7 +238,9 @@ class TitoAddon:
         except ValueError:
             return json_reply(400, TitoError("request body has an invalid content-encoding", status=400).body())
         headers = {k: v for k, v in flow.request.headers.items()}
-        return await self.service.handle(flow.request.path, headers, body, self.backend_base_url(flow))
+        base_url = self.backend_base_url(flow)
+        assert base_url is not None  # request() only serves flows to backend hosts
+        return await self.service.handle(flow.request.path, headers, body, base_url)
 
     def done(self) -> None:
         if self._sweeper is not None:

@@ -31,6 +31,7 @@ class Mitmdump:
         options: dict[str, str] | None = None,
         via_module: bool = False,
         extra_args: list[str] | None = None,
+        mode: str | None = None,
     ) -> None:
         settings = {
             "tito_tokenizer": tokenizer,
@@ -38,7 +39,7 @@ class Mitmdump:
             "tito_record_dir": str(record_dir),
             **(options or {}),
         }
-        common = ["--mode", f"reverse:{backend_url}", "--listen-host", "127.0.0.1", "-p", "0"]
+        common = ["--mode", mode or f"reverse:{backend_url}", "--listen-host", "127.0.0.1", "-p", "0"]
         for key, value in settings.items():
             common += ["--set", f"{key}={value}"]
         common += extra_args or []

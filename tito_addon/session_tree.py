@@ -100,6 +100,7 @@ class TurnNode:
 class Session:
     session_id: str
     automatic: bool
+    namespace: str = ""
     roots: ChildIndex = field(default_factory=ChildIndex)
     next_turn_id: int = 0
     turns: int = 0
@@ -132,13 +133,19 @@ class SessionStore:
 
     def __init__(self, *, idle_timeout: float = 0.0, max_sessions: int = 0) -> None:
         self.sessions: OrderedDict[str, Session] = OrderedDict()
-        self.auto_roots = ChildIndex()
-        self.auto_prompts: dict[SegmentKey, Session] = {}
+        # Automatic sessions live in namespaces (backend + model): the same prompt sent to two models is two
+        # experiments, never one session.
+        self.auto_roots: dict[str, ChildIndex] = {}
+        self.auto_prompts: dict[tuple[str, SegmentKey], Session] = {}
         self.idle_timeout = idle_timeout
         self.max_sessions = max_sessions
 
     def locate(
-        self, session_id: str | None, keys: Sequence[MessageKey], reasonings: Sequence[str | None]
+        self,
+        session_id: str | None,
+        keys: Sequence[MessageKey],
+        reasonings: Sequence[str | None],
+        namespace: str = "",
     ) -> Attachment:
         if session_id is not None:
             session = self.sessions.get(session_id)
@@ -146,9 +153,9 @@ class SessionStore:
                 return Attachment(None, None, 0)
             node, ambiguous = self._deepest(session.roots, keys, reasonings)
             return Attachment(session, node, node.message_end if node else 0, ambiguous)
-        node, ambiguous = self._deepest(self.auto_roots, keys, reasonings)
+        node, ambiguous = self._deepest(self.auto_roots.get(namespace, ChildIndex()), keys, reasonings)
         if node is None:
-            return Attachment(self.auto_prompts.get(tuple(keys)), None, 0)
+            return Attachment(self.prompt_group(namespace, keys), None, 0)
         return Attachment(node.session, node, node.message_end, ambiguous)
 
     @staticmethod
@@ -172,6 +179,10 @@ class SessionStore:
         deepest = [node for node in matches if node.message_end == depth]
         best = min(deepest, key=lambda node: (node.session.created, node.turn_id))
         return best, len(deepest) > 1
+
+    def prompt_group(self, namespace: str, keys: Sequence[MessageKey]) -> Session | None:
+        """The automatic session whose first request was exactly these messages (a GRPO group)."""
+        return self.auto_prompts.get((namespace, tuple(keys)))
 
     def touch(self, session: Session) -> None:
         if session.session_id in self.sessions:
@@ -204,16 +215,20 @@ class SessionStore:
 
     def remove(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        roots = self.auto_roots.get(session.namespace)
         for root in session.root_nodes:
-            self.auto_roots.remove(root)
+            if roots is not None:
+                roots.remove(root)
+        if roots is not None and not len(roots):
+            del self.auto_roots[session.namespace]
         for keys in session.prompt_keys:
-            if self.auto_prompts.get(keys) is session:
-                del self.auto_prompts[keys]
+            if self.auto_prompts.get((session.namespace, keys)) is session:
+                del self.auto_prompts[(session.namespace, keys)]
 
-    def new_session(self, session_id: str | None) -> Session:
+    def new_session(self, session_id: str | None, namespace: str = "") -> Session:
         if session_id is None:
-            return Session(session_id=uuid.uuid4().hex, automatic=True)
-        return Session(session_id=session_id, automatic=False)
+            return Session(session_id=uuid.uuid4().hex, automatic=True, namespace=namespace)
+        return Session(session_id=session_id, automatic=False, namespace=namespace)
 
     def commit(
         self,
@@ -254,10 +269,10 @@ class SessionStore:
         else:
             live.roots.add(node)
             if live.automatic:
-                self.auto_roots.add(node)
+                self.auto_roots.setdefault(live.namespace, ChildIndex()).add(node)
                 live.root_nodes.append(node)
                 prompt = segment_keys[:-1]
-                if prompt not in self.auto_prompts:
-                    self.auto_prompts[prompt] = live
+                if (live.namespace, prompt) not in self.auto_prompts:
+                    self.auto_prompts[(live.namespace, prompt)] = live
                     live.prompt_keys.append(prompt)
         return node

@@ -3,39 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tito_addon.backend_routes import normalize_backend_url, parse_backends
 from tito_addon.model_families import FAMILIES
 from tito_addon.token_engine import APPENDABLE_ROLES, FORBIDDEN_KWARGS
 
 BACKEND_KINDS = ("sglang", "vllm")
-BACKEND_URL_ENV = ("TITO_BACKEND_URL", "SGLANG_BASE_URL", "VLLM_BASE_URL")
-
-
-def normalize_backend_url(value: str) -> str:
-    """`host:port`, `http://host:port/`, `http://host:port/v1` -> `http://host:port` (a path prefix is kept)."""
-    value = value.strip()
-    if "://" not in value:
-        value = "http://" + value
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {value!r}")
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def backend_url_from_env() -> str | None:
-    for name in BACKEND_URL_ENV:
-        value = os.environ.get(name)
-        if value:
-            return normalize_backend_url(value)
-    return None
 
 
 class TitoSettings(BaseModel):
@@ -43,6 +19,7 @@ class TitoSettings(BaseModel):
 
     backend_kind: str = "sglang"
     backend_url: str | None = None
+    backends: dict[tuple[str, int | None], str | None] = Field(default_factory=dict)
     tokenizer: str
     model_family: str = "default"
     record_dir: str = "recordings"
@@ -65,6 +42,13 @@ class TitoSettings(BaseModel):
     @classmethod
     def _url(cls, value: str | None) -> str | None:
         return normalize_backend_url(value) if value else None
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backends(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_backends(value)
+        return value
 
     @field_validator("tokenizer")
     @classmethod

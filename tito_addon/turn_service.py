@@ -134,6 +134,7 @@ class PreparedTurn:
     prompt_ids: list[int]
     kwargs: dict[str, Any]
     keys: list[Any]
+    namespace: str
 
 
 class TurnService:
@@ -166,7 +167,7 @@ class TurnService:
             logger.exception("unexpected failure while serving a turn")
             return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
 
-    def prepare(self, path: str, headers: dict[str, str], body: bytes) -> PreparedTurn:
+    def prepare(self, path: str, headers: dict[str, str], body: bytes, base_url: str = "") -> PreparedTurn:
         match = CHAT_PATH.match(path)
         if match is None:
             raise BadRequest(f"not a chat-completions path: {path}")
@@ -181,7 +182,8 @@ class TurnService:
         messages = request.messages
         keys = [message_key(m) for m in messages]
         reasonings = [m.reasoning_text() if m.role == "assistant" else None for m in messages]
-        attachment = self.store.locate(session_id, keys, reasonings)
+        namespace = f"{base_url} {request.model or ''}"
+        attachment = self.store.locate(session_id, keys, reasonings, namespace)
         parent = attachment.parent
         appended = messages[attachment.matched :]
         if parent is not None and any(m.role == "assistant" for m in appended):
@@ -194,11 +196,13 @@ class TurnService:
         else:
             piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
             prompt_ids = parent.full_ids() + piece.ids
-        return PreparedTurn(request, session_id, attachment, parent, appended, piece, prompt_ids, kwargs, keys)
+        return PreparedTurn(
+            request, session_id, attachment, parent, appended, piece, prompt_ids, kwargs, keys, namespace
+        )
 
     async def _handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
         self.sweep()
-        prepared = self.prepare(path, headers, body)
+        prepared = self.prepare(path, headers, body, base_url)
         busy = prepared.attachment.session
         if busy is not None:
             busy.inflight += 1  # protects it from eviction while the backend works
@@ -244,9 +248,9 @@ class TurnService:
         elif session is None:
             # Looked up again now: identical first requests that were in flight together (a GRPO group)
             # join the group of whichever committed first.
-            session = self.store.auto_prompts.get(tuple(prepared.keys))
+            session = self.store.prompt_group(prepared.namespace, prepared.keys)
         if session is None:
-            session = self.store.new_session(prepared.session_id)
+            session = self.store.new_session(prepared.session_id, prepared.namespace)
         assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
         parent = prepared.parent
         segment_keys = tuple(prepared.keys[len(prepared.keys) - len(prepared.appended) :]) + (message_key(assistant),)
