@@ -8,6 +8,7 @@ exception becomes a 500 JSON reply, because mitmproxy would otherwise forward th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from tito_addon.backend_kinds import make_backend
 from tito_addon.backend_routes import BackendRoutes, backend_url_from_env
+from tito_addon.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.model_families import FAMILIES
 from tito_addon.session_tree import SessionStore
 from tito_addon.tito_errors import TitoError
@@ -48,6 +50,7 @@ class TitoAddon:
         self.client = UpstreamClient()
         self.service: TurnService | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.live = LiveStreamServer()
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -221,6 +224,8 @@ class TitoAddon:
                 flow.request.path = strip_session_prefix(path)
             return
         try:
+            if await self._go_live(flow):
+                return
             reply = await self._serve(flow)
         except Exception:
             logger.exception("tito: unexpected failure")
@@ -228,6 +233,34 @@ class TitoAddon:
         flow.response = http.Response.make(reply.status, reply.body, reply.headers)
         if reply.metadata:
             flow.metadata["tito"] = reply.metadata
+
+    async def _go_live(self, flow: http.HTTPFlow) -> bool:
+        """Hand a streaming turn to the live stream server, if the backend can stream exact ids."""
+        if self.service is None:
+            return False
+        try:
+            body = flow.request.content or b""
+            wants_stream = json.loads(body).get("stream") is True
+        except (ValueError, AttributeError):
+            return False  # the ordinary path answers the bad body
+        base_url = self.backend_base_url(flow)
+        headers = {k: v for k, v in flow.request.headers.items()}
+        if not wants_stream or base_url is None or not await self.service.backend.can_stream(base_url, headers):
+            return False
+        port = await self.live.ensure_started()
+
+        def on_commit(metadata: dict[str, Any]) -> None:
+            flow.metadata["tito"] = metadata
+
+        job = StreamJob(self.service, flow.request.path, headers, body, base_url, on_commit)
+        path = self.live.park(job)
+        flow.metadata["tito_live"] = True
+        flow.request.scheme, flow.request.host, flow.request.port, flow.request.path = "http", "127.0.0.1", port, path
+        return True
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("tito_live") and flow.response is not None:
+            flow.response.stream = True  # relay the live server's chunks as they come
 
     async def _serve(self, flow: http.HTTPFlow) -> HttpReply:
         if self.service is None:
@@ -249,6 +282,7 @@ class TitoAddon:
         if self.service is not None:
             self.service.close_all("shutdown")
         try:
+            asyncio_utils.create_task(self.live.stop(), name="tito-stop-live", keep_ref=True)
             asyncio_utils.create_task(self.client.close(), name="tito-close-upstream", keep_ref=True)
         except RuntimeError:
             pass  # no running loop: the process is exiting anyway

@@ -8,6 +8,7 @@ parsed assistant message and the body the agent receives; everything kind-specif
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,6 +38,14 @@ class BackendResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class StreamEnd:
+    """The last event of a live stream: the turn's result, and the chunks that may only follow its commit."""
+
+    result: BackendResult
+    tail: list[dict[str, Any]]
+
+
 class Backend(Protocol):
     kind: str
 
@@ -44,6 +53,14 @@ class Backend(Protocol):
         """Refuse (BadRequest) what this kind cannot serve, before any state is looked at."""
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult: ...
+
+    async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
+        """Whether this backend can stream a turn with exact ids (else the finished turn is re-framed)."""
+        ...
+
+    def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
+        """Agent-facing `chat.completion.chunk`s as they are generated, then one StreamEnd."""
+        ...
 
 
 def checked_ids(value: Any, what: str) -> list[int]:
@@ -84,3 +101,13 @@ def trajectory_message(raw: dict[str, Any]) -> dict[str, Any]:
     if not stored.get("reasoning_content") and stored.get("reasoning"):
         stored["reasoning_content"] = stored["reasoning"]
     return stored
+
+
+def usage_chunk(base: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+    usage["total_tokens"] = prompt_tokens + completion_tokens
+    return {**base, "choices": [], "usage": usage}
+
+
+def finish_chunk(base: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}

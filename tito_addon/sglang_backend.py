@@ -35,6 +35,9 @@ class SglangBackend:
     def check_request(self, request: ChatRequest) -> None:
         """sglang serves any valid chat request."""
 
+    async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
+        return False  # live streaming with exact ids needs sglext (0.5.20+); turns are re-framed
+
     @staticmethod
     def upstream_body(turn: BackendTurn) -> dict[str, Any]:
         body = {k: v for k, v in turn.chat_body.items() if k != "stream_options"}

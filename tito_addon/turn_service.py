@@ -13,19 +13,20 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
 from pydantic import ValidationError
 
-from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn
+from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn, StreamEnd
 from tito_addon.message_keys import message_key
 from tito_addon.record_models import SegmentSpan, TokenizerInfo, TurnRecord
 from tito_addon.record_reader import RecordError, read_session_file
 from tito_addon.session_tree import Attachment, Session, SessionStore, TurnNode
 from tito_addon.sse_framing import SSE_HEADERS, sse_from_completion
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.token_engine import PromptPiece, TokenEngine
 from tito_addon.trajectory_recorder import TrajectoryRecorder
 from tito_addon.wire_models import ChatMessage, ChatRequest
@@ -209,28 +210,32 @@ class TurnService:
         try:
             return await self._run(prepared, path, headers, base_url)
         finally:
-            if busy is not None:
-                busy.inflight -= 1
-                self.store.touch(busy)
+            self._release(busy)
 
-    async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
-        request = prepared.request
-        chat_body = request.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    def backend_turn(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> BackendTurn:
+        chat_body = prepared.request.model_dump(mode="json", exclude_unset=True, by_alias=True)
         chat_body["chat_template_kwargs"] = prepared.kwargs
         chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
         forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
-        turn = BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward, self.engine.stop_texts)
-        result = await self.backend.run_turn(turn)
+        return BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward, self.engine.stop_texts)
+
+    def finish(self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str]) -> dict[str, Any]:
+        """Commit a turn the backend completed; the flow metadata that describes it."""
         node = self.commit(prepared, result, headers.get("x-request-id"))
         self.sweep()  # a new session may have taken the store past its capacity
-        metadata = {
+        return {
             "session_id": node.session.session_id,
             "turn_id": node.turn_id,
             "parent_turn_id": node.parent.turn_id if node.parent else None,
             "prompt_tokens": len(prepared.prompt_ids),
             "completion_tokens": len(result.completion_ids),
         }
-        tito_headers = {"x-tito-session-id": node.session.session_id, "x-tito-turn-id": str(node.turn_id)}
+
+    async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
+        result = await self.backend.run_turn(self.backend_turn(prepared, path, headers, base_url))
+        metadata = self.finish(prepared, result, headers)
+        tito_headers = {"x-tito-session-id": metadata["session_id"], "x-tito-turn-id": str(metadata["turn_id"])}
+        request = prepared.request
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             stream = sse_from_completion(result.agent_body, include_usage=include_usage)
@@ -239,6 +244,44 @@ class TurnService:
         if content is None:
             content = json.dumps(result.agent_body, ensure_ascii=False).encode()
         return HttpReply(200, {"content-type": "application/json", **tito_headers}, content, metadata)
+
+    async def open_stream(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str
+    ) -> HttpReply | LiveStream:
+        """A live stream of the turn, or an ordinary reply when it fails before its first chunk (status and
+        body as for a whole turn). Nothing is committed unless the backend finishes the turn."""
+        headers = {k.lower(): v for k, v in headers.items()}
+        try:
+            self.sweep()
+            prepared = self.prepare(path, headers, body, base_url)
+        except TitoError as error:
+            return json_reply(error.status, error.body())
+        events = self.backend.stream_turn(self.backend_turn(prepared, path, headers, base_url))
+        busy = prepared.attachment.session
+        if busy is not None:
+            busy.inflight += 1
+        try:
+            first = await anext(events)
+        except (StopAsyncIteration, Exception) as exc:
+            await events.aclose()
+            self._release(busy)
+            if isinstance(exc, StopAsyncIteration):
+                exc = UpstreamMalformed("backend stream ended before its first chunk")
+            return await self._error_reply(exc)
+        return LiveStream(self, prepared, headers, events, first, busy)
+
+    async def _error_reply(self, exc: BaseException) -> HttpReply:
+        if isinstance(exc, UpstreamPassthrough):
+            return HttpReply(exc.status, {"content-type": exc.content_type}, exc.body)
+        if isinstance(exc, TitoError):
+            return json_reply(exc.status, exc.body())
+        logger.error("unexpected failure while opening a stream", exc_info=exc)
+        return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+
+    def _release(self, session: Session | None) -> None:
+        if session is not None:
+            session.inflight -= 1
+            self.store.touch(session)
 
     def commit(self, prepared: PreparedTurn, result: BackendResult, request_id: str | None) -> TurnNode:
         """Write the record line, then add the node. Synchronous, so no other turn can interleave."""
@@ -356,3 +399,49 @@ class TurnService:
             self.recorder.close_session(session.session_id, session.turns, reason)
         except OSError:
             logger.exception("could not close the record of session %s", session.session_id)
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class LiveStream:
+    """A turn streaming to the agent: chunks as the backend makes them, then (after the commit) the tail.
+
+    A failure mid-stream ends it with an SSE error event and no [DONE]; closing it early (the agent went away)
+    closes the upstream request. Either way nothing is recorded."""
+
+    headers = {**SSE_HEADERS, "x-tito-stream": "live"}
+
+    def __init__(
+        self,
+        service: TurnService,
+        prepared: PreparedTurn,
+        headers: dict[str, str],
+        events: AsyncIterator[dict[str, Any] | StreamEnd],
+        first: dict[str, Any] | StreamEnd,
+        busy: Session | None,
+    ) -> None:
+        self.service, self.prepared, self.request_headers = service, prepared, headers
+        self.events, self.first, self.busy = events, first, busy
+        self.metadata: dict[str, Any] = {}
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            event: dict[str, Any] | StreamEnd = self.first
+            while True:
+                if isinstance(event, StreamEnd):
+                    self.metadata = self.service.finish(self.prepared, event.result, self.request_headers)
+                    for chunk in event.tail:
+                        yield sse_event(chunk)
+                    yield b"data: [DONE]\n\n"
+                    return
+                yield sse_event(event)
+                event = await anext(self.events)
+        except (TitoError, UpstreamPassthrough) as error:
+            message = error.message if isinstance(error, TitoError) else f"backend answered {error.status}"
+            logger.warning("turn stream failed: %s", message)
+            yield sse_event({"error": {"message": f"{message}; nothing was recorded", "type": "tito_stream_error"}})
+        finally:
+            await self.events.aclose()
+            self.service._release(self.busy)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from tito_addon.tito_errors import TitoError, UpstreamUnavailable
+from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough, UpstreamUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,66 @@ class UpstreamClient:
         except aiohttp.ClientError as exc:
             raise UpstreamUnavailable(f"backend connection failed ({shown}): {type(exc).__name__}") from exc
 
+    async def sse_events(
+        self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """POST, then yield each JSON `data:` event of the SSE answer until `[DONE]`.
+
+        A non-200 answer raises UpstreamPassthrough before anything is yielded. Closing the generator closes
+        the upstream connection, which is how a disconnected agent cancels its generation."""
+        shown = _without_credentials(url)
+        payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+        send = {**headers, "content-type": "application/json", "accept": "text/event-stream"}
+        # No total limit on a stream: the limit is on silence between two reads.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
+        try:
+            async with self._client().post(url, data=payload, headers=send, timeout=timeout) as response:
+                if response.status != 200:
+                    data = await response.read()
+                    raise UpstreamPassthrough(response.status, data, response.headers.get("content-type"))
+                buffer = b""
+                async for piece in response.content.iter_any():
+                    buffer += piece
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        event = _sse_data(line)
+                        if event is _DONE:
+                            return
+                        if event is not None:
+                            yield event
+                event = _sse_data(buffer)
+                if event is not None and event is not _DONE:
+                    yield event
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"backend stream went silent for {self.timeout_s:g} s ({shown})") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnavailable(f"backend unreachable at {shown}: {exc.strerror or exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamUnavailable(f"backend stream failed ({shown}): {type(exc).__name__}") from exc
+
     async def close(self) -> None:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+
+_DONE: Any = object()
+
+
+def _sse_data(line: bytes) -> Any:
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[len(b"data:") :].strip()
+    if data == b"[DONE]":
+        return _DONE
+    try:
+        event = json.loads(data)
+    except ValueError as exc:
+        raise UpstreamMalformed("backend streamed an event that is not JSON") from exc
+    if not isinstance(event, dict):
+        raise UpstreamMalformed("backend streamed an event that is not a JSON object")
+    return event
 
 
 def _without_credentials(url: str) -> str:

@@ -18,17 +18,22 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.backend_protocol import (
     BackendResult,
     BackendTurn,
+    StreamEnd,
     checked_ids,
     checked_logprobs,
     checked_message,
+    finish_chunk,
     trajectory_message,
+    usage_chunk,
 )
+from tito_addon.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.wire_models import ChatRequest
@@ -154,6 +159,103 @@ class VllmBackend:
         return self.harvest_derender(
             completion, raw, completion_ids, logprobs, finish, skew, version, asked_logprobs, eos_text
         )
+
+    async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
+        # 0.31 added streaming derender with the tool and reasoning parsers.
+        return (await self.version(base_url, headers)).at_least(0, 31)
+
+    async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
+        """Streaming generate on our ids; each generate chunk goes through streaming derender (parsers
+        included) and on to the agent. Ids and logprobs come from generate, exactly as in a whole turn."""
+        version = await self.version(turn.base_url, turn.headers)
+        chat = self.chat_request(turn)
+        rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
+        skew = render_skew(rendered.get("token_ids"), turn.prompt_ids)
+        request = self.generate_request(rendered, chat, turn.prompt_ids, version)
+        request["stream"] = True
+        request["stream_options"] = {"include_usage": True}
+        ids: list[int] = []
+        values: list[Any] = []
+        accumulated = MessageAccumulator()
+        state: Any = None
+        finish: Any = None
+        base: dict[str, Any] = {}
+        asked_logprobs = bool(turn.chat_body.get("logprobs"))
+        events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
+        try:
+            async for event in events:
+                if "error" in event:
+                    raise UpstreamMalformed(f"vLLM generate stream failed: {str(event['error'])[:300]}")
+                echoed = event.get("prompt_token_ids")
+                if echoed is not None and echoed != turn.prompt_ids:
+                    raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
+                choices = event.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                delta_ids = choice.get("token_ids") or []
+                if not isinstance(delta_ids, list) or not all(type(i) is int and i >= 0 for i in delta_ids):
+                    raise UpstreamMalformed("vLLM generate streamed token ids that are not non-negative integers")
+                entries = (choice.get("logprobs") or {}).get("content")
+                if not isinstance(entries, list) or len(entries) != len(delta_ids):
+                    raise UpstreamMalformed("vLLM generate streamed a chunk whose logprobs do not match its ids")
+                for entry, token_id in zip(entries, delta_ids, strict=True):
+                    if not isinstance(entry, dict) or _entry_token_id(entry) not in (None, token_id):
+                        raise UpstreamMalformed("vLLM generate streamed a logprob for another token")
+                    values.append(entry.get("logprob"))
+                ids += delta_ids
+                finish = choice.get("finish_reason") or finish
+                derender_request = {
+                    "stream": True,
+                    "model": chat["model"],
+                    "generate_chunk": event,
+                    "stream_state": state,
+                    "prompt_tokens": len(turn.prompt_ids),
+                    "prompt_token_ids": turn.prompt_ids,
+                    "chat_request": chat,
+                }
+                derendered, _ = await self._call(
+                    turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
+                )
+                state = derendered.get("stream_state")
+                chunk = derendered.get("chunk")
+                if not isinstance(chunk, dict):
+                    continue
+                base = base or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+                # The finish chunk is ours to send, after the commit; the stop token's text never shows.
+                parts = [{**c, "finish_reason": None} for c in chunk.get("choices") or [] if isinstance(c, dict)]
+                eos_text = turn.stop_texts.get(delta_ids[-1]) if finish == "stop" and delta_ids else None
+                if eos_text:
+                    parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
+                if not asked_logprobs:
+                    parts = [{**c, "logprobs": None} for c in parts]
+                chunk = {**chunk, "choices": parts}
+                accumulated.add_chunk(chunk)
+                cleaned = clean_delta_chunk(chunk)
+                if cleaned is not None:
+                    yield cleaned
+        finally:
+            await events.aclose()
+        completion_ids = checked_ids(ids, "completion token ids")
+        logprobs = checked_logprobs(values, len(completion_ids))
+        message = accumulated.message()
+        checked_message(message)
+        finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
+        base = base or {"object": "chat.completion.chunk"}
+        tail = [finish_chunk(base, finish_reason)]
+        if (turn.chat_body.get("stream_options") or {}).get("include_usage"):
+            tail.append(usage_chunk(base, len(turn.prompt_ids), len(completion_ids)))
+        body = {**base, "object": "chat.completion", "choices": [{"index": 0, "message": message,
+                "finish_reason": finish_reason, "logprobs": None}]}  # fmt: skip
+        result = BackendResult(
+            completion_ids=completion_ids,
+            completion_logprobs=logprobs,
+            message=trajectory_message(message),
+            finish_reason=finish_reason,
+            agent_body=body,
+            extra={"render_skew": skew, "backend_version": version.text},
+        )
+        yield StreamEnd(result, tail)
 
     @staticmethod
     def generate_request(

@@ -141,27 +141,42 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
     ids = recorded.full_ids()
     generates = tap.of("/inference/v1/generate")
     renders = tap.of("/v1/chat/completions/render")
-    derenders = tap.of("/v1/chat/completions/derender")
-    assert len(recorded.turns) == len(generates) == len(renders) == len(derenders) == 10
+    whole = [c for c in tap.of("/v1/chat/completions/derender") if not c["request"].get("stream")]
+    live = [c for c in tap.of("/v1/chat/completions/derender") if c["request"].get("stream")]
+    assert len(recorded.turns) == len(generates) == len(renders) == 10 and len(whole) == 9
     previous: list[int] = []
     for turn, (record, call) in enumerate(zip(recorded.turns, generates, strict=True)):
         prompt, completion = ids[record.turn_id]
         assert record.parent_turn_id == (turn - 1 if turn else None)
         # What vLLM generated from: the ids we sent, and the ids it says it ran on (return_token_ids).
         assert call["request"]["token_ids"] == prompt
-        assert call["response"]["prompt_token_ids"] == prompt
-        choice = call["response"]["choices"][0]
-        assert choice["token_ids"] == completion
-        assert [e["logprob"] for e in choice["logprobs"]["content"]] == record.completion_logprobs
+        events = generate_events(call)
+        assert events[0]["prompt_token_ids"] == prompt
+        choices = [e["choices"][0] for e in events if e.get("choices")]
+        assert [i for c in choices for i in c["token_ids"]] == completion
+        logprobs = [e["logprob"] for c in choices for e in c["logprobs"]["content"]]
+        assert logprobs == record.completion_logprobs
         assert prompt[: len(previous)] == previous, f"turn {turn} does not extend the previous turn"
         previous = prompt + completion
         assert record.backend_kind == "vllm" and record.backend_version == "0.32.0"
         assert record.render_skew is not None
-        # The forced chain: render non-streamed with logprobs; derender gets the exact generate body.
         assert renders[turn]["request"]["stream"] is False and renders[turn]["request"]["logprobs"] is True
-        assert derenders[turn]["request"]["generate_response"] == call["response"]
-        assert derenders[turn]["request"]["prompt_tokens"] == len(prompt)
-        assert derenders[turn]["request"]["prompt_token_ids"] == prompt
+        if turn < 9:  # whole turns: derender gets the exact generate body
+            assert call["request"]["stream"] is False
+            assert whole[turn]["request"]["generate_response"] == call["response"]
+            assert whole[turn]["request"]["prompt_tokens"] == len(prompt)
+            assert whole[turn]["request"]["prompt_token_ids"] == prompt
+        else:  # the live turn: streaming generate, one streaming derender per generate chunk
+            assert call["request"]["stream"] is True
+            assert [c["request"]["generate_chunk"] for c in live] == [e for e in events if e.get("choices")]
     assert [t.finish_reason for t in recorded.turns] == finishes
     # vLLM's own re-render of the history drifts from the token-exact prompt at least once in this session.
     assert any(not t.render_skew["equal"] for t in recorded.turns[1:])
+
+
+def generate_events(call: dict) -> list[dict]:
+    """The generate answer as a list of events: one JSON body, or the SSE events of a stream."""
+    if call["request"].get("stream"):
+        text = call["response_bytes"].decode()
+        return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    return [call["response"]]
