@@ -55,6 +55,7 @@ class UpstreamClient:
         return await self._request("GET", url, dict(headers), None)
 
     async def _request(self, method: str, url: str, headers: dict[str, str], payload: bytes | None) -> UpstreamResponse:
+        headers = _sendable(headers)
         shown = _without_credentials(url)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
@@ -77,7 +78,7 @@ class UpstreamClient:
         the upstream connection, which is how a disconnected agent cancels its generation."""
         shown = _without_credentials(url)
         payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-        send = {**headers, "content-type": "application/json", "accept": "text/event-stream"}
+        send = {**_sendable(headers), "content-type": "application/json", "accept": "text/event-stream"}
         # No total limit on a stream: the limit is on silence between two reads.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
         try:
@@ -109,6 +110,15 @@ class UpstreamClient:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+
+# Framing headers belong to the agent's request, not to ours: a stale content-length desynchronises the
+# backend's keep-alive connection.
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
+
+
+def _sendable(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _FRAMING}
 
 
 _DONE: Any = object()

@@ -181,6 +181,7 @@ class VllmBackend:
         finish: Any = None
         base: dict[str, Any] = {}
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
+        held = LeadingWhitespace()
         events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
         try:
             async for event in events:
@@ -229,6 +230,7 @@ class VllmBackend:
                     parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
                 if not asked_logprobs:
                     parts = [{**c, "logprobs": None} for c in parts]
+                parts = [{**c, "delta": held.take(c.get("delta") or {})} for c in parts]
                 chunk = {**chunk, "choices": parts}
                 accumulated.add_chunk(chunk)
                 cleaned = clean_delta_chunk(chunk)
@@ -238,6 +240,11 @@ class VllmBackend:
             await events.aclose()
         completion_ids = checked_ids(ids, "completion token ids")
         logprobs = checked_logprobs(values, len(completion_ids))
+        if held.pending and not accumulated.calls:
+            # Only whitespace came as content and no tool call followed: it is the content after all.
+            late = {**base, "choices": [{"index": 0, "delta": {"content": held.pending}, "finish_reason": None}]}
+            accumulated.add_chunk(late)
+            yield late
         message = accumulated.message()
         checked_message(message)
         finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
@@ -356,6 +363,28 @@ class VllmBackend:
             usage=completion.get("usage") if isinstance(completion.get("usage"), dict) else None,
             extra={"render_skew": skew, "backend_version": version.text},
         )
+
+
+class LeadingWhitespace:
+    """Holds back content that is only whitespace so far (the blank line between `</think>` and a tool call).
+
+    Whole-turn derender drops such content when tool calls follow; streaming derender has already sent it. Holding
+    it until real text arrives makes a streamed turn accumulate to the same message as a whole one."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.flushed = False
+
+    def take(self, delta: dict[str, Any]) -> dict[str, Any]:
+        content = delta.get("content")
+        if self.flushed or not isinstance(content, str) or not content:
+            return delta
+        if not content.strip():
+            self.pending += content
+            return {**delta, "content": None}
+        self.flushed = True
+        content, self.pending = self.pending + content, ""
+        return {**delta, "content": content}
 
 
 def _without_eos_text(message: dict[str, Any], eos_text: str) -> dict[str, Any]:

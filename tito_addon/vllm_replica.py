@@ -123,6 +123,7 @@ class VllmReplicaConfig(BaseModel):
     max_model_len: int = Field(default=4096, gt=1)
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering each generate call")
+    stream_delay_s: float = Field(default=0.0, ge=0.0, description="sleep between streamed generate events")
 
 
 class _HttpError(Exception):
@@ -280,6 +281,8 @@ class VllmReplica(ServedApp):
         self.received: list[tuple[str, dict[str, Any]]] = []
         #: per successful generate: ``{"prompt_ids", "completion_ids", "logprobs"}``
         self.generated: list[dict[str, Any]] = []
+        self.completed_streams = 0
+        self.cancelled_streams = 0
         self._faults: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -325,6 +328,7 @@ class VllmReplica(ServedApp):
         with self._lock:
             self.received.clear()
             self.generated.clear()
+            self.completed_streams = self.cancelled_streams = 0
             self._faults.clear()
 
     def _pop_fault(self, endpoint: str) -> str | None:
@@ -863,10 +867,20 @@ class VllmReplica(ServedApp):
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        for event in self._stream_events(body, gen, fault):
-            await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            for event in self._stream_events(body, gen, fault):
+                await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+                if self.config.stream_delay_s:
+                    await asyncio.sleep(self.config.stream_delay_s)
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("client went away")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            # vLLM aborts a generation whose client disconnected; count it so tests can see the cancel.
+            self.cancelled_streams += 1
+            return resp
+        self.completed_streams += 1
         return resp
 
     # ----------------------------------------------------------------- derender
@@ -908,7 +922,9 @@ class VllmReplica(ServedApp):
             raise _bad("model: Field required", param="model")
         self._check_model(model)
         if body.get("stream") is True:
-            raise _bad("this replica serves only non-streaming derender", param="stream")
+            if not self.v32:
+                raise _bad("streaming derender needs vLLM >= 0.27", param="stream")
+            return self._derender_stream_chunk(body)
         gen = body.get("generate_response")
         if not isinstance(gen, dict) or not isinstance(gen.get("choices"), list):
             raise _bad("generate_response: Field required", param="generate_response")
@@ -989,6 +1005,66 @@ class VllmReplica(ServedApp):
             out["ec_transfer_params"] = None
             out["metrics"] = None
         return out
+
+    def _derender_stream_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Streaming derender (0.31+ with parsers): one generate chunk in, one chat.completion.chunk out.
+
+        Like vLLM, the state carries every output id so far; deltas are what the parsers newly produced. A
+        tool call is sent whole once its block closes; the finish reason becomes "tool_calls" once any call
+        was streamed (the 0.31-0.32 streaming parser path does this even after a length stop)."""
+        chunk = body.get("generate_chunk")
+        chat_request = body.get("chat_request")
+        if not isinstance(chunk, dict) or not isinstance(chat_request, dict):
+            raise _bad("generate_chunk and chat_request are required when streaming", param="generate_chunk")
+        state = body.get("stream_state") or {"output_token_ids": [], "role_sent": False, "sent": {}, "tools": 0}
+        choice = (chunk.get("choices") or [{}])[0]
+        ids = list(state["output_token_ids"]) + list(choice.get("token_ids") or [])
+        text = self.tokenizer.decode(ids)
+        kwargs = chat_request.get("chat_template_kwargs") or {}
+        thinking = not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
+        reasoning, content = parse_qwen3_reasoning(text, thinking) if self.config.reasoning_parser else (None, text)
+        content = content or ""
+        calls: list[tuple[str, str]] = []
+        if self.config.tool_parser and chat_request.get("tools") and _TOOL_START in content:
+            closed = content[: content.rfind("</tool_call>") + len("</tool_call>")] if "</tool_call>" in content else ""
+            calls, _ = parse_hermes_tool_calls(closed) if closed else ([], None)
+            content = content[: content.find(_TOOL_START)]
+        else:
+            # Hold back a tail that may still become "<tool_call>".
+            for cut in range(min(len(content), len(_TOOL_START) - 1), 0, -1):
+                if _TOOL_START.startswith(content[-cut:]):
+                    content = content[:-cut]
+                    break
+        sent = dict(state["sent"])
+        delta: dict[str, Any] = {
+            "role": None if state["role_sent"] else "assistant",
+            "content": None,
+            "reasoning": None,
+        }
+        for key, value in (("reasoning", reasoning or ""), ("content", content)):
+            if len(value) > sent.get(key, 0):
+                delta[key] = value[sent.get(key, 0) :]
+                sent[key] = len(value)
+        new_calls = calls[state["tools"] :]
+        if new_calls:
+            delta["tool_calls"] = [
+                {"id": "chatcmpl-tool-" + self._random_id(), "type": "function", "index": state["tools"] + i,
+                 "function": {"name": name, "arguments": args}}
+                for i, (name, args) in enumerate(new_calls)
+            ]  # fmt: skip
+        tools = state["tools"] + len(new_calls)
+        finish = choice.get("finish_reason")
+        if finish and tools:
+            finish = "tool_calls"
+        out_chunk = {
+            "id": chunk.get("request_id"), "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": body.get("model") or self.config.served_model_name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                         "token_ids": None}],
+            "usage": None, "system_fingerprint": None, "prompt_token_ids": None, "prompt_text": None, "metrics": None,
+        }  # fmt: skip
+        new_state = {"output_token_ids": ids, "role_sent": True, "sent": sent, "tools": tools}
+        return {"chunk": out_chunk, "stream_state": new_state}
 
     def _derender_message(
         self, ids: list[int], parse_request: dict[str, Any] | None, chat_request: dict[str, Any] | None

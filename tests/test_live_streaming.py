@@ -1,0 +1,165 @@
+"""Live streaming through mitmdump on a backend that streams exact ids (vLLM >= 0.31: streaming generate plus
+streaming derender): token-by-token chunks, the same recorded ids as a whole turn, errors, and an agent that
+hangs up mid-stream (the upstream generation is cancelled and nothing is recorded)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import TOOLS, tokenizer_path
+from proxy_harness import Mitmdump, post
+
+from tito_addon.record_reader import read_session_file
+from tito_addon.trajectory_recorder import session_file_name
+from tito_addon.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+
+MODEL = "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.02)
+    record_dir = tmp_path_factory.mktemp("rec")
+    with (
+        VllmReplicaThread(config) as replica,
+        Mitmdump(
+            replica.url,
+            tokenizer=tokenizer_path("qwen3"),
+            record_dir=record_dir,
+            cwd=record_dir.parent,
+            options={"tito_backend_kind": "vllm"},
+        ) as proxy,
+    ):
+        yield replica, proxy, record_dir
+
+
+def client(proxy: Mitmdump, session: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session})
+
+
+def records(record_dir: Path, session: str):
+    path = record_dir / session_file_name(session)
+    if not path.exists():
+        return [], {}
+    recorded = read_session_file(path)
+    return recorded.turns, recorded.full_ids()
+
+
+@pytest.mark.parametrize("first", ["Weather in Paris?", "Tell me about Oslo."])
+def test_a_live_turn_records_exactly_what_a_whole_turn_records(stack, first: str) -> None:
+    replica, proxy, record_dir = stack
+    replica.backend.reset()
+    whole, live = f"whole-{uuid.uuid4().hex[:6]}", f"live-{uuid.uuid4().hex[:6]}"
+    messages = [{"role": "user", "content": first}]
+    plain = client(proxy, whole).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, seed=3)
+    with client(proxy, live).chat.completions.stream(model=MODEL, messages=messages, tools=TOOLS, seed=3) as events:
+        kinds = [event.type for event in events]
+        streamed = events.get_final_completion()
+    assert kinds.count("chunk") > 5, "a live turn arrives in many chunks"
+    whole_turns, whole_ids = records(record_dir, whole)
+    live_turns, live_ids = records(record_dir, live)
+    assert live_ids == whole_ids and live_turns[0].completion_logprobs == whole_turns[0].completion_logprobs
+    a, b = plain.choices[0], streamed.choices[0]
+    assert a.finish_reason == b.finish_reason
+    assert a.message.content == b.message.content
+    assert (a.message.model_extra or {}).get("reasoning") == (b.message.model_extra or {}).get("reasoning")
+    assert [(c.function.name, c.function.arguments) for c in a.message.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in b.message.tool_calls or []
+    ]
+    stored_whole = {k: v for k, v in whole_turns[0].assistant_message.items() if k != "tool_calls"}
+    stored_live = {k: v for k, v in live_turns[0].assistant_message.items() if k != "tool_calls"}
+    assert stored_whole == stored_live
+    generate_bodies = [body for path, body in replica.received() if path == "/inference/v1/generate"]
+    assert [body.get("stream") for body in generate_bodies] == [False, True]
+
+
+def test_live_wire_format_with_usage(stack) -> None:
+    replica, proxy, _ = stack
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to three."}], "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    response = post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.headers["x-tito-stream"] == "live"
+    assert response.headers["content-type"].startswith("text/event-stream")
+    data = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_errors_before_the_first_chunk_keep_their_status(stack) -> None:
+    replica, proxy, record_dir = stack
+    replica.backend.reset()
+    replica.set_faults(["render:http400"])
+    session = f"early-{uuid.uuid4().hex[:6]}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    response = post(proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": session})
+    assert response.status_code == 400
+    assert records(record_dir, session) == ([], {})
+
+
+def test_a_failure_mid_stream_ends_with_an_error_event_and_records_nothing(stack) -> None:
+    replica, proxy, record_dir = stack
+    replica.backend.reset()
+    replica.set_faults(["generate:logprobs_length"])
+    session = f"mid-{uuid.uuid4().hex[:6]}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    response = post(proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": session})
+    data = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert data and "[DONE]" not in data
+    assert "nothing was recorded" in json.loads(data[-1])["error"]["message"]
+    assert records(record_dir, session) == ([], {})
+    with pytest.raises(openai.APIError):
+        replica.set_faults(["generate:logprobs_length"])
+        with client(proxy, session).chat.completions.stream(model=MODEL, messages=body["messages"]) as events:
+            for _ in events:
+                pass
+
+
+def test_an_agent_that_hangs_up_cancels_the_generation_and_nothing_is_recorded(stack) -> None:
+    replica, proxy, record_dir = stack
+    replica.backend.reset()
+    session = f"gone-{uuid.uuid4().hex[:6]}"
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                       "stream": True})  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    connection.request(
+        "POST", "/v1/chat/completions", body, {"content-type": "application/json", "x-session-id": session}
+    )
+    response = connection.getresponse()
+    assert response.status == 200
+    first = response.readline()
+    assert first.startswith(b"data: ")
+    connection.sock.close()  # the agent hangs up after the first chunk
+    deadline = time.monotonic() + 20
+    while replica.backend.cancelled_streams == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert replica.backend.cancelled_streams == 1 and replica.backend.completed_streams == 0
+    time.sleep(0.5)
+    assert records(record_dir, session) == ([], {})
+    # The session is untouched: the same request, not streamed, is its first turn.
+    follow = post(proxy.url + "/v1/chat/completions", json=dict(json.loads(body), stream=False),
+                  headers={"x-session-id": session})  # fmt: skip
+    assert follow.status_code == 200
+    turns, _ = records(record_dir, session)
+    assert [t.turn_id for t in turns] == [0]
+
+
+def test_backends_that_cannot_stream_exact_ids_get_a_reframed_stream(tmp_path: Path) -> None:
+    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), version="0.24.0")
+    with VllmReplicaThread(config) as old, Mitmdump(
+        old.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path,
+        options={"tito_backend_kind": "vllm"},
+    ) as proxy:  # fmt: skip
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        response = post(proxy.url + "/v1/chat/completions", json=body)
+        assert response.status_code == 200 and response.headers["x-tito-stream"] == "reframed"
+        assert response.text.rstrip().endswith("data: [DONE]")
