@@ -163,3 +163,51 @@ def test_backends_that_cannot_stream_exact_ids_get_a_reframed_stream(tmp_path: P
         response = post(proxy.url + "/v1/chat/completions", json=body)
         assert response.status_code == 200 and response.headers["x-tito-stream"] == "reframed"
         assert response.text.rstrip().endswith("data: [DONE]")
+
+
+def test_sglang_streams_live_with_sglext_ids_and_records_what_a_whole_turn_records(tmp_path: Path) -> None:
+    from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+
+    record_dir = tmp_path / "rec"
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica, Mitmdump(
+        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path
+    ) as proxy:  # fmt: skip
+        for first in ("Weather in Paris?", "Tell me about Oslo."):
+            whole, live = f"whole-{uuid.uuid4().hex[:6]}", f"live-{uuid.uuid4().hex[:6]}"
+            messages = [{"role": "user", "content": first}]
+            plain = client(proxy, whole).chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+            raw = post(proxy.url + "/v1/chat/completions", headers={"x-session-id": live},
+                       json={"model": MODEL, "messages": messages, "tools": TOOLS, "stream": True})  # fmt: skip
+            assert raw.headers["x-tito-stream"] == "live"
+            with client(proxy, f"{live}-sdk").chat.completions.stream(
+                model=MODEL, messages=messages, tools=TOOLS
+            ) as events:
+                for _ in events:
+                    pass
+                streamed = events.get_final_completion()
+            _, whole_ids = records(record_dir, whole)
+            _, live_ids = records(record_dir, live)
+            _, sdk_ids = records(record_dir, f"{live}-sdk")
+            assert whole_ids == live_ids == sdk_ids
+            a, b = plain.choices[0], streamed.choices[0]
+            assert a.finish_reason == b.finish_reason and a.message.content == b.message.content
+            assert getattr(a.message, "reasoning_content", None) == getattr(b.message, "reasoning_content", None)
+            assert [(c.function.name, c.function.arguments) for c in a.message.tool_calls or []] == [
+                (c.function.name, c.function.arguments) for c in b.message.tool_calls or []
+            ]
+        streamed_bodies = [body for body in replica.received() if body.get("stream")]
+        assert streamed_bodies and all(body["return_output_ids_in_sglext"] for body in streamed_bodies)
+        assert all("return_meta_info" not in body for body in streamed_bodies)
+
+
+def test_sglang_before_0_5_20_gets_a_reframed_stream(tmp_path: Path) -> None:
+    from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), version="0.5.18")
+    with ReplicaThread(config) as replica, Mitmdump(
+        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path
+    ) as proxy:  # fmt: skip
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        response = post(proxy.url + "/v1/chat/completions", json=body)
+        assert response.status_code == 200 and response.headers["x-tito-stream"] == "reframed"
+        assert all(b.get("stream") is False for b in replica.received())

@@ -140,7 +140,7 @@ def test_health_models_and_server_info(replica: ReplicaThread) -> None:
     assert status == 200 and models["object"] == "list"
     assert [m["id"] for m in models["data"]] == ["reference-model"]
     status, info, _ = http(replica.url + "/get_server_info")
-    assert status == 200 and info["version"] == "0.5.18"
+    assert status == 200 and info["version"] == "0.5.23"
 
 
 def test_input_ids_honoured_and_echoed(replica: ReplicaThread, tok: Any) -> None:

@@ -241,7 +241,7 @@ class TitoAddon:
         try:
             body = flow.request.content or b""
             wants_stream = json.loads(body).get("stream") is True
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return False  # the ordinary path answers the bad body
         base_url = self.backend_base_url(flow)
         headers = {k: v for k, v in flow.request.headers.items()}

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 MODEL_ID = "reference-model"
 #: sglang version this replica claims to be (``/get_server_info``), by mode.
-SGLANG_VERSION = "0.5.18"
+SGLANG_VERSION = "0.5.23"
 OLD_SGLANG_VERSION = "0.5.12"
 
 #: Fault names accepted by :meth:`ReferenceBackend.set_faults` ("none" = no fault for that slot).
@@ -116,6 +116,7 @@ class ReplicaConfig(BaseModel):
         "return_meta_info / return_token_ids / sglext flags are silently ignored",
     )
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering a chat request")
+    version: str = Field(default=SGLANG_VERSION, description="the sglang version it reports; sglext needs 0.5.20+")
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     prefix_cache: bool = Field(
         default=True,
@@ -534,6 +535,10 @@ def _logprob(position: int, token_id: int) -> float:
     return -((_stable_int("lp", position, token_id) % 5_999_000) / 1_000_000)
 
 
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
 def _truthy(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes"))
 
@@ -649,7 +654,7 @@ class ReferenceBackend(ServedApp):
     async def _server_info(self, request: web.Request) -> web.Response:
         return _json_response(
             {
-                "version": SGLANG_VERSION if self.config.honor_input_ids else OLD_SGLANG_VERSION,
+                "version": self.config.version if self.config.honor_input_ids else OLD_SGLANG_VERSION,
                 "model_path": MODEL_ID,
                 "served_model_name": MODEL_ID,
                 "tokenizer_path": self.config.tokenizer,
@@ -902,8 +907,8 @@ class ReferenceBackend(ServedApp):
         ]
 
     def _sglext_flags(self, body: dict[str, Any], request: web.Request) -> tuple[bool, bool]:
-        if not self.config.honor_input_ids:
-            return False, False
+        if not self.config.honor_input_ids or _version_tuple(self.config.version) < (0, 5, 20):
+            return False, False  # sglext ids arrived in 0.5.20
         want_in = (
             _truthy(body.get("return_input_ids_in_sglext")) or request.headers.get("x-sglext-return-input-ids") == "1"
         )

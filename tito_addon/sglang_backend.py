@@ -9,21 +9,34 @@ Older servers silently ignore `input_ids`; the echoed `prompt_token_ids` prove t
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from tito_addon.backend_protocol import (
     BackendResult,
     BackendTurn,
+    StreamEnd,
     checked_ids,
     checked_logprobs,
     checked_message,
+    finish_chunk,
     trajectory_message,
+    usage_chunk,
 )
-from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
+from tito_addon.stream_accumulator import MessageAccumulator, clean_delta_chunk
+from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.upstream_client import UpstreamClient
 from tito_addon.wire_models import ChatRequest
 
 logger = logging.getLogger(__name__)
+
+STREAM_IDS_VERSION = (0, 5, 20)
+
+
+def _version_tuple(text: str) -> tuple[int, ...] | None:
+    parts = re.findall(r"\d+", text)[:3]
+    return tuple(int(p) for p in parts) if len(parts) >= 2 else None
 
 
 class SglangBackend:
@@ -31,12 +44,103 @@ class SglangBackend:
 
     def __init__(self, client: UpstreamClient) -> None:
         self.client = client
+        self._versions: dict[str, tuple[int, ...] | None] = {}
 
     def check_request(self, request: ChatRequest) -> None:
         """sglang serves any valid chat request."""
 
+    async def version(self, base_url: str, headers: dict[str, str]) -> tuple[int, ...] | None:
+        """The server's version from its server-info route, asked once per backend."""
+        if base_url in self._versions:
+            return self._versions[base_url]
+        found: tuple[int, ...] | None = None
+        for route in ("/server_info", "/get_server_info"):
+            try:
+                response = await self.client.get(base_url + route, headers)
+                if response.status == 200:
+                    found = _version_tuple(str(response.json().get("version", "")))
+                    break
+            except (TitoError, ValueError, AttributeError):
+                continue
+        self._versions[base_url] = found
+        logger.info("tito: %s speaks sglang %s", base_url, ".".join(map(str, found)) if found else "(unknown)")
+        return found
+
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
-        return False  # live streaming with exact ids needs sglext (0.5.20+); turns are re-framed
+        # Streamed output ids exist only in the sglext block (0.5.20+); before that a turn is re-framed.
+        found = await self.version(base_url, headers)
+        return found is not None and found >= STREAM_IDS_VERSION
+
+    async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
+        """A streamed chat completion on our `input_ids`; the ids it ran on and produced arrive in the final
+        sglext block, the logprobs chunk by chunk."""
+        body = {k: v for k, v in turn.chat_body.items() if k not in ("stream_options", "return_meta_info")}
+        body.update(
+            input_ids=turn.prompt_ids,
+            logprobs=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            return_input_ids_in_sglext=True,
+            return_output_ids_in_sglext=True,
+        )
+        body.pop("return_prompt_token_ids", None)
+        asked_logprobs = bool(turn.chat_body.get("logprobs"))
+        values: list[Any] = []
+        accumulated = MessageAccumulator()
+        finish: str | None = None
+        sglext: dict[str, Any] | None = None
+        base: dict[str, Any] = {}
+        events = self.client.sse_events(turn.base_url + turn.chat_path, body, turn.headers)
+        try:
+            async for event in events:
+                if "error" in event:
+                    raise UpstreamMalformed(f"sglang stream failed: {str(event['error'])[:300]}")
+                if isinstance(event.get("sglext"), dict):
+                    sglext = event["sglext"]
+                base = base or {k: event.get(k) for k in ("id", "object", "created", "model")}
+                parts = []
+                for choice in event.get("choices") or []:
+                    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                        continue
+                    entries = (choice.get("logprobs") or {}).get("content") or []
+                    values += [entry.get("logprob") if isinstance(entry, dict) else None for entry in entries]
+                    finish = choice.get("finish_reason") or finish
+                    part = {**choice, "finish_reason": None}  # ours to send, after the commit
+                    if not asked_logprobs:
+                        part["logprobs"] = None
+                    parts.append(part)
+                if not parts:
+                    continue
+                chunk = {**event, "choices": parts}
+                accumulated.add_chunk(chunk)
+                cleaned = clean_delta_chunk(chunk)
+                if cleaned is not None:
+                    yield cleaned
+        finally:
+            await events.aclose()
+        if sglext is None:
+            raise UpstreamMalformed("sglang streamed no sglext ids block (0.5.20+ sends one when asked)")
+        if sglext.get("input_ids") != turn.prompt_ids:
+            raise UpstreamMalformed("sglang generated from different prompt ids than it was sent; nothing was recorded")
+        outputs = sglext.get("output_ids")
+        completion_ids = checked_ids(outputs[0] if isinstance(outputs, list) and outputs else None, "output ids")
+        logprobs = checked_logprobs(values, len(completion_ids))
+        message = accumulated.message()
+        checked_message(message)
+        base = base or {"object": "chat.completion.chunk"}
+        tail = [finish_chunk(base, finish)]
+        if (turn.chat_body.get("stream_options") or {}).get("include_usage"):
+            tail.append(usage_chunk(base, len(turn.prompt_ids), len(completion_ids)))
+        body_for_agent = {**base, "object": "chat.completion", "choices": [{"index": 0, "message": message,
+                          "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        result = BackendResult(
+            completion_ids=completion_ids,
+            completion_logprobs=logprobs,
+            message=trajectory_message(message),
+            finish_reason=finish,
+            agent_body=body_for_agent,
+        )
+        yield StreamEnd(result, tail)
 
     @staticmethod
     def upstream_body(turn: BackendTurn) -> dict[str, Any]:

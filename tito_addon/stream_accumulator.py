@@ -55,7 +55,7 @@ def clean_delta_chunk(chunk: dict[str, Any]) -> dict[str, Any] | None:
     """The chunk with null-valued delta keys dropped; None when it carries nothing for the agent."""
     choices = []
     for choice in chunk.get("choices") or []:
-        delta = {k: v for k, v in (choice.get("delta") or {}).items() if v is not None}
+        delta = {k: v for k, v in (choice.get("delta") or {}).items() if v is not None and v != ""}
         if not delta and not choice.get("finish_reason") and not choice.get("logprobs"):
             continue
         choices.append({**choice, "delta": delta})
