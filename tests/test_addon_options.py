@@ -138,3 +138,21 @@ async def test_an_unexpected_exception_is_answered_never_forwarded(monkeypatch) 
         await addon.request(flow)
         assert flow.response is not None and flow.response.status_code == 500
         assert b"nothing was recorded" in flow.response.content
+
+
+def test_sessions_command_lists_live_sessions() -> None:
+    from tito_addon.message_keys import message_key
+    from tito_addon.wire_models import ChatMessage
+
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon)
+        user = ChatMessage(role="user", content="hi")
+        reply = ChatMessage(role="assistant", content="hello")
+        session = addon.store.new_session("listed-session")
+        keys = (message_key(user), message_key(reply))
+        addon.store.commit(session, None, 2, keys, (None, None), [1, 2, 3], [4, 5], "stop")
+        table = tctx.command(addon.sessions)
+    assert "listed-session" in table
+    row = next(line for line in table.splitlines() if line.startswith("listed-session"))
+    assert row.split()[1:3] == ["1", "5"]  # turns, tokens

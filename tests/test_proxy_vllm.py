@@ -142,7 +142,7 @@ def test_forced_fields_on_each_call(vllm: Stack) -> None:
     assert turns[0].render_skew == {"equal": True, "first_divergence": None}
 
 
-def test_streamed_agent_request_is_not_streamed_upstream(vllm: Stack) -> None:
+def test_streamed_agent_request_streams_live_only_where_vllm_can(vllm: Stack) -> None:
     session = sid("stream")
     messages = [{"role": "user", "content": "Tell me about Oslo."}]
     with vllm.client(session).chat.completions.stream(model=MODEL, messages=messages) as events:
@@ -151,7 +151,8 @@ def test_streamed_agent_request_is_not_streamed_upstream(vllm: Stack) -> None:
         final = events.get_final_completion()
     assert final.choices[0].message.content or (final.choices[0].message.model_extra or {}).get("reasoning")
     assert vllm.tap.of(RENDER)[0]["request"]["stream"] is False
-    assert vllm.tap.of(GENERATE)[0]["request"]["stream"] is False
+    live = vllm.replica.backend.v32  # 0.31+ streams generate and derender; 0.24 gets a re-framed whole turn
+    assert vllm.tap.of(GENERATE)[0]["request"]["stream"] is live
     turns, _ = vllm.records(session)
     assert len(turns) == 1
 

@@ -173,3 +173,27 @@ def test_a_thousand_turn_history_is_located_without_recursion_limits() -> None:
         history += appended + [reply]
     found = store.locate("long", keys(history), reasonings(history))
     assert found.parent is parent and found.matched == 3000
+
+
+def test_lookup_cost_does_not_grow_with_the_number_of_sessions(monkeypatch) -> None:
+    """Count candidate turns examined per lookup (not time): the same for 10 and for 2,000 live sessions."""
+    from tito_addon.session_tree import TurnNode
+
+    examined = []
+    real = TurnNode.reasoning_compatible
+    monkeypatch.setattr(TurnNode, "reasoning_compatible", lambda self, r, s: examined.append(self) or real(self, r, s))
+    costs = []
+    for count in (10, 2000):
+        store = SessionStore()
+        last = None
+        for i in range(count):
+            session = store.new_session(None)
+            u = M(role="user", content=f"task {i}")
+            root = commit(store, session, None, [], [u], A1)
+            last = commit(store, session, root, [u, A1], [TOOL], A2)
+        examined.clear()
+        probe = [M(role="user", content=f"task {count - 1}"), A1, TOOL, A2, M(role="user", content="go on")]
+        found = store.locate(None, keys(probe), reasonings(probe))
+        assert found.parent is last
+        costs.append(len(examined))
+    assert costs[0] == costs[1] == 2
