@@ -103,11 +103,30 @@ def trajectory_message(raw: dict[str, Any]) -> dict[str, Any]:
     return stored
 
 
-def usage_chunk(base: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-    usage["total_tokens"] = prompt_tokens + completion_tokens
-    return {**base, "choices": [], "usage": usage}
-
-
-def finish_chunk(base: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-    return {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}
+def stream_end(
+    turn: BackendTurn,
+    base: dict[str, Any],
+    message: dict[str, Any],
+    finish_reason: str | None,
+    completion_ids: list[int],
+    logprobs: list[float],
+    extra: dict[str, Any] | None = None,
+) -> StreamEnd:
+    """The end of a live stream: the result to commit, then the finish chunk and (if asked) the usage chunk."""
+    checked_message(message)
+    base = base or {"object": "chat.completion.chunk"}
+    tail = [{**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}]
+    if (turn.chat_body.get("stream_options") or {}).get("include_usage"):
+        prompt, completion = len(turn.prompt_ids), len(completion_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        tail.append({**base, "choices": [], "usage": usage})
+    choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    result = BackendResult(
+        completion_ids=completion_ids,
+        completion_logprobs=logprobs,
+        message=trajectory_message(message),
+        finish_reason=finish_reason,
+        agent_body={**base, "object": "chat.completion", "choices": [choice]},
+        extra=extra or {},
+    )
+    return StreamEnd(result, tail)

@@ -20,9 +20,8 @@ from tito_addon.backend_protocol import (
     checked_ids,
     checked_logprobs,
     checked_message,
-    finish_chunk,
+    stream_end,
     trajectory_message,
-    usage_chunk,
 )
 from tito_addon.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough
@@ -125,22 +124,7 @@ class SglangBackend:
         outputs = sglext.get("output_ids")
         completion_ids = checked_ids(outputs[0] if isinstance(outputs, list) and outputs else None, "output ids")
         logprobs = checked_logprobs(values, len(completion_ids))
-        message = accumulated.message()
-        checked_message(message)
-        base = base or {"object": "chat.completion.chunk"}
-        tail = [finish_chunk(base, finish)]
-        if (turn.chat_body.get("stream_options") or {}).get("include_usage"):
-            tail.append(usage_chunk(base, len(turn.prompt_ids), len(completion_ids)))
-        body_for_agent = {**base, "object": "chat.completion", "choices": [{"index": 0, "message": message,
-                          "finish_reason": finish, "logprobs": None}]}  # fmt: skip
-        result = BackendResult(
-            completion_ids=completion_ids,
-            completion_logprobs=logprobs,
-            message=trajectory_message(message),
-            finish_reason=finish,
-            agent_body=body_for_agent,
-        )
-        yield StreamEnd(result, tail)
+        yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs)
 
     @staticmethod
     def upstream_body(turn: BackendTurn) -> dict[str, Any]:

@@ -29,9 +29,8 @@ from tito_addon.backend_protocol import (
     checked_ids,
     checked_logprobs,
     checked_message,
-    finish_chunk,
+    stream_end,
     trajectory_message,
-    usage_chunk,
 )
 from tito_addon.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
@@ -246,23 +245,9 @@ class VllmBackend:
             accumulated.add_chunk(late)
             yield late
         message = accumulated.message()
-        checked_message(message)
         finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
-        base = base or {"object": "chat.completion.chunk"}
-        tail = [finish_chunk(base, finish_reason)]
-        if (turn.chat_body.get("stream_options") or {}).get("include_usage"):
-            tail.append(usage_chunk(base, len(turn.prompt_ids), len(completion_ids)))
-        body = {**base, "object": "chat.completion", "choices": [{"index": 0, "message": message,
-                "finish_reason": finish_reason, "logprobs": None}]}  # fmt: skip
-        result = BackendResult(
-            completion_ids=completion_ids,
-            completion_logprobs=logprobs,
-            message=trajectory_message(message),
-            finish_reason=finish_reason,
-            agent_body=body,
-            extra={"render_skew": skew, "backend_version": version.text},
-        )
-        yield StreamEnd(result, tail)
+        extra = {"render_skew": skew, "backend_version": version.text}
+        yield stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra)
 
     @staticmethod
     def generate_request(
