@@ -72,3 +72,25 @@ def test_hot_reload_of_the_script_keeps_serving(replica, tmp_path: Path) -> None
         assert "Traceback" not in proxy.output(), proxy.output()[-3000:]
     recorded = read_session_file(record_dir / "reload.jsonl")
     assert [t.parent_turn_id for t in recorded.turns] == [None, 0, 1]
+
+
+def test_an_agent_that_hangs_up_mid_turn_cancels_it_and_nothing_is_recorded(tmp_path: Path) -> None:
+    import http.client
+
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), latency_s=2.0)
+    record_dir = tmp_path / "rec"
+    with (
+        ReplicaThread(config) as slow,
+        Mitmdump(slow.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as proxy,
+    ):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+        connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        connection.request(
+            "POST", "/v1/chat/completions", body, {"x-session-id": "gone", "content-type": "application/json"}
+        )
+        time.sleep(0.5)
+        connection.sock.close()  # hang up while the backend is still generating
+        time.sleep(3.0)
+        assert len(slow.received()) == 1, "the turn reached the backend"
+        assert not (record_dir / "gone.jsonl").exists(), "a turn nobody received was recorded"
+        assert "Traceback" not in proxy.output()

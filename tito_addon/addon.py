@@ -51,6 +51,7 @@ class TitoAddon:
         self.service: TurnService | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.live = LiveStreamServer()
+        self._turns: dict[str, set[asyncio.Task[HttpReply]]] = {}
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -226,10 +227,13 @@ class TitoAddon:
         try:
             if await self._go_live(flow):
                 return
-            reply = await self._serve(flow)
+            reply = await self._serve_cancellable(flow)
         except Exception:
             logger.exception("tito: unexpected failure")
             reply = json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+        if reply is None:
+            flow.kill()  # the agent hung up: its turn was cancelled before anything was recorded
+            return
         flow.response = http.Response.make(reply.status, reply.body, reply.headers)
         if reply.metadata:
             flow.metadata["tito"] = reply.metadata
@@ -261,6 +265,26 @@ class TitoAddon:
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("tito_live") and flow.response is not None:
             flow.response.stream = True  # relay the live server's chunks as they come
+
+    async def _serve_cancellable(self, flow: http.HTTPFlow) -> HttpReply | None:
+        """Serve the turn as a task that a client disconnect cancels (None then): mitmproxy keeps running a
+        request hook after its client has gone, and a turn nobody receives must not be recorded."""
+        task = asyncio_utils.create_task(self._serve(flow), name="tito-turn", keep_ref=True)
+        turns = self._turns.setdefault(flow.client_conn.id, set())
+        turns.add(task)
+        try:
+            await asyncio.wait({task})
+        finally:
+            turns.discard(task)
+            if not turns:
+                self._turns.pop(flow.client_conn.id, None)
+            if not task.done():
+                task.cancel()  # this hook itself was cancelled (shutdown)
+        return None if task.cancelled() else task.result()
+
+    def client_disconnected(self, client: Any) -> None:
+        for task in self._turns.pop(client.id, set()):
+            task.cancel()
 
     async def _serve(self, flow: http.HTTPFlow) -> HttpReply:
         if self.service is None:
