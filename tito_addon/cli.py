@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tito_addon.record_reader import RecordError, iter_session_files
 
-SUBCOMMANDS = ("show", "reference-backend", "demo")
+SUBCOMMANDS = ("show", "export", "reference-backend", "demo")
 
 
 def run_mitmdump(args: list[str]) -> int:
@@ -71,10 +71,34 @@ def show(argv: list[str]) -> int:
     return 0
 
 
+def export_command(argv: list[str]) -> int:
+    from rich.progress import Progress
+
+    from tito_addon.trainer_export import FORMATS, export
+
+    parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export branches for trainers.")
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--format", choices=FORMATS, default="parquet")
+    args = parser.parse_args(argv)
+    try:
+        sessions = len(list(args.record_dir.glob("*.jsonl"))) if args.record_dir.is_dir() else 0
+        with Progress(transient=True) as progress:
+            task = progress.add_task("exporting sessions", total=sessions)
+            rows = export(args.record_dir, args.out, args.format, lambda: progress.advance(task))
+    except RecordError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{rows} branches from {sessions} sessions written to {args.out} ({args.format})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "show":
         return show(argv[1:])
+    if argv and argv[0] == "export":
+        return export_command(argv[1:])
     if argv and argv[0] == "reference-backend":
         from tito_addon.reference_backend import main as reference_main
 
