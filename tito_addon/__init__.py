@@ -16,7 +16,9 @@ if __name__.startswith("__mitmproxy_script__."):
     for _name in [n for n in _sys.modules if n == "tito_addon" or n.startswith("tito_addon.")]:
         del _sys.modules[_name]
     from tito_addon.addon import TitoAddon as _TitoAddon
+    from tito_addon.replay_addon import TitoReplay as _TitoReplay
 
-    addons = [_TitoAddon()]
+    # Replay first: a recorded answer is served before the capture addon would go to the backend.
+    addons = [_TitoReplay(), _TitoAddon()]
 else:
     __version__ = "0.1.0"

@@ -103,9 +103,11 @@ class TitoAddon:
         if not opts.tito_tokenizer:
             # Not an OptionsError: that would refuse to load the script at all in interactive mitmproxy,
             # where the user can still `set tito_tokenizer`. Until then chat turns are answered 503, and an
-            # ERROR at startup makes mitmdump exit.
+            # ERROR at startup makes mitmdump exit. A pure offline replay needs no tokenizer.
             self.service = None
-            logger.error("tito: tito_tokenizer is required: --set tito_tokenizer=<HF model name or tokenizer dir>")
+            replay_only = getattr(opts, "tito_replay_dir", "") and getattr(opts, "tito_replay_fallback", "") != "live"
+            if not replay_only:
+                logger.error("tito: tito_tokenizer is required: --set tito_tokenizer=<HF model name or tokenizer dir>")
             return
         try:
             settings = TitoSettings(

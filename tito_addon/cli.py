@@ -15,7 +15,9 @@ from pathlib import Path
 
 from tito_addon.record_reader import RecordError, iter_session_files
 
-SUBCOMMANDS = ("show", "export", "reference-backend", "demo")
+SUBCOMMANDS = ("show", "export", "replay", "reference-backend", "demo")
+# Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
+REPLAY_MODE = "reverse:http://127.0.0.1:1"
 
 
 def run_mitmdump(args: list[str]) -> int:
@@ -97,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "show":
         return show(argv[1:])
+    if argv and argv[0] == "replay":
+        if len(argv) < 2 or argv[1].startswith("-"):
+            print("usage: python -m tito_addon replay RECORD_DIR [mitmdump args]", file=sys.stderr)
+            return 2
+        rest = argv[2:]
+        mode = (
+            [] if any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in rest) else ["--mode", REPLAY_MODE]
+        )
+        return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[1]).resolve()}", *rest])
     if argv and argv[0] == "export":
         return export_command(argv[1:])
     if argv and argv[0] == "reference-backend":

@@ -1,0 +1,79 @@
+"""Offline replay: a recorded 20-turn agent session served again with no backend running, to the same agent."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import tokenizer_path
+from proxy_harness import Mitmdump, post
+from test_proxy_sglang import agent, run_agent
+
+from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+
+
+def replay_proxy(record_dir: Path, cwd: Path, *options: str) -> Mitmdump:
+    proxy = Mitmdump("", tokenizer="", record_dir=record_dir, cwd=cwd, via_module=True)
+    proxy.argv = [sys.executable, "-m", "tito_addon", "replay", str(record_dir), "--listen-host", "127.0.0.1",
+                  "-p", "0", *options]  # fmt: skip
+    return proxy
+
+
+def summary(completion) -> tuple:
+    message = completion.choices[0].message
+    calls = tuple((c.id, c.function.name, c.function.arguments) for c in message.tool_calls or [])
+    return completion.choices[0].finish_reason, message.content, calls
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    record_dir = tmp_path_factory.mktemp("rec")
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica, Mitmdump(
+        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=record_dir.parent
+    ) as proxy:  # fmt: skip
+        messages, replies = run_agent(agent(proxy), 20)
+        assert len(replica.received()) == 20
+    return record_dir, messages, [summary(r) for r in replies]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_recorded_twenty_turn_session_replays_with_no_backend(recorded, tmp_path: Path, stream: bool) -> None:
+    record_dir, messages, replies = recorded
+    with replay_proxy(record_dir, tmp_path) as proxy:
+        again_messages, again = run_agent(agent(proxy), 20, stream=stream)
+        assert "replaying 20 recorded turns" in proxy.output()
+    assert [summary(r) for r in again] == replies, "every turn is reproduced"
+    assert again_messages == messages
+
+
+def test_a_request_with_no_recorded_match_is_a_404_naming_the_closest_turn(recorded, tmp_path: Path) -> None:
+    record_dir, messages, _ = recorded
+    with replay_proxy(record_dir, tmp_path) as proxy:
+        changed = [dict(m) for m in messages[:5]]
+        changed[3] = {**changed[3], "content": f"something else {uuid.uuid4().hex}"}
+        response = post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": changed})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "replay_miss" and error["first_differing_message"]["index"] == 3
+    assert error["closest_turn"]["turn_id"] == 0 and error["matched_messages"] == 3
+
+
+def test_a_miss_can_be_served_live_and_recorded(recorded, tmp_path: Path) -> None:
+    record_dir, messages, _ = recorded
+    live_dir = tmp_path / "live"
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica:
+        proxy = replay_proxy(
+            record_dir, tmp_path, "--mode", f"reverse:{replica.url}", "--set", "tito_replay_fallback=live",
+            "--set", f"tito_tokenizer={tokenizer_path('qwen3')}", "--set", "tito_model_family=qwen3",
+            "--set", f"tito_record_dir={live_dir}",
+        )  # fmt: skip
+        with proxy:
+            known = post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": messages[:2]})
+            assert known.status_code == 200 and known.headers["x-tito-replay"]
+            fresh = [{"role": "user", "content": "A question never asked before."}]
+            served = post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": fresh})
+            assert served.status_code == 200 and "x-tito-replay" not in served.headers
+        assert len(replica.received()) == 1
+    assert len(list(live_dir.glob("*.jsonl"))) == 1
