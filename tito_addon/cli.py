@@ -12,10 +12,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from tito_addon.record_reader import RecordError, iter_session_files
 
-SUBCOMMANDS = ("show", "export", "replay", "reference-backend", "demo")
+SUBCOMMANDS = ("show", "export", "replay", "redrive", "reference-backend", "demo")
 # Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
 REPLAY_MODE = "reverse:http://127.0.0.1:1"
 
@@ -95,6 +96,62 @@ def export_command(argv: list[str]) -> int:
     return 0
 
 
+def redrive_command(argv: list[str]) -> int:
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from tito_addon.redrive import Scorer, redrive
+    from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+    from tito_addon.upstream_client import UpstreamClient
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon redrive",
+        description="Score every recorded completion under a live backend; report the logprob gap per turn.",
+    )
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("--backend", required=True, help="backend base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--backend-kind", choices=("sglang", "vllm"), default="sglang")
+    parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    args = parser.parse_args(argv)
+
+    async def run() -> Any:
+        client = UpstreamClient()
+        try:
+            turns = sum(len(f.turns) for f in iter_session_files(args.record_dir))
+            with Progress(transient=True) as progress:
+                task = progress.add_task("scoring recorded turns", total=turns)
+                scorer = Scorer(client, args.backend, args.backend_kind)
+                return await redrive(args.record_dir, scorer, lambda: progress.advance(task))
+        finally:
+            await client.close()
+
+    try:
+        report = asyncio.run(run())
+    except (RecordError, TitoError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except UpstreamPassthrough as exc:
+        print(f"error: the backend answered {exc.status}: {exc.body[:300]!r}", file=sys.stderr)
+        return 2
+    table = Table("session", "turn", "tokens", "mean |Δ|", "max |Δ|", "KL est.")
+    for turn in report.turns:
+        table.add_row(turn.session_id[:16], str(turn.turn_id), str(turn.tokens), f"{turn.mean_abs_diff:.4f}",
+                      f"{turn.max_abs_diff:.4f}", f"{turn.kl_estimate:+.4f}")  # fmt: skip
+    console = Console()
+    console.print(table)
+    totals = report.totals()
+    console.print(
+        "total: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in totals.items())
+    )
+    if args.json:
+        payload = {"turns": [t.as_dict() for t in report.turns], "totals": totals}
+        args.json.write_text(json.dumps(payload, indent=1), "utf-8")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "show":
@@ -108,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             [] if any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in rest) else ["--mode", REPLAY_MODE]
         )
         return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[1]).resolve()}", *rest])
+    if argv and argv[0] == "redrive":
+        return redrive_command(argv[1:])
     if argv and argv[0] == "export":
         return export_command(argv[1:])
     if argv and argv[0] == "reference-backend":

@@ -117,6 +117,9 @@ class ReplicaConfig(BaseModel):
     )
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering a chat request")
     version: str = Field(default=SGLANG_VERSION, description="the sglang version it reports; sglext needs 0.5.20+")
+    checkpoint_shift: float = Field(
+        default=0.0, description="scoring only (/generate): logprobs of a 'newer checkpoint', shifted by this much"
+    )
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     prefix_cache: bool = Field(
         default=True,
@@ -588,6 +591,7 @@ class ReferenceBackend(ServedApp):
         # What each answered chat request generated (prompt and completion ids, logprobs), in order.
         self.generated: list[dict[str, Any]] = []
         self.received_headers: list[dict[str, str]] = []
+        self.scored: list[Any] = []  # bodies POSTed to native /generate (prompt scoring)
         self._faults: list[str] = []
         self._lock = threading.Lock()
         self._cache: list[list[int]] = []  # simulated radix cache (most recent last)
@@ -598,6 +602,7 @@ class ReferenceBackend(ServedApp):
         self.app.router.add_get("/get_server_info", self._server_info)
         self.app.router.add_get("/server_info", self._server_info)
         self.app.router.add_post("/v1/chat/completions", self._chat)
+        self.app.router.add_post("/generate", self._generate_native)
         self.app.router.add_get("/_replica/requests", self._replica_requests)
         self.app.router.add_post("/_replica/faults", self._replica_faults)
         self.app.router.add_post("/_replica/reset", self._replica_reset)
@@ -681,6 +686,31 @@ class ReferenceBackend(ServedApp):
     async def _replica_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return _json_response({"status": "ok"})
+
+    # ----------------------------------------------------------------- native /generate (prompt scoring)
+    async def _generate_native(self, request: web.Request) -> web.Response:
+        """sglang's native /generate, as used to score given ids: `input_ids`, `return_logprob`,
+        `logprob_start_len`, `max_new_tokens: 0` -> `meta_info.input_token_logprobs` ([logprob, id, text])."""
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return _json_response(_error_body(f"Invalid JSON body: {exc}", 400), status=400)
+        ids = body.get("input_ids") if isinstance(body, dict) else None
+        with self._lock:
+            self.scored.append(body)
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            return _json_response(_error_body("input_ids must be a non-empty list of ints", 400), status=400)
+        start = body.get("logprob_start_len", -1)
+        start = len(ids) - 1 if not isinstance(start, int) or start < 0 else start
+        shift = self.config.checkpoint_shift
+        # Position-relative to the scored span, the same function the chat endpoint samples with: the same
+        # "checkpoint" scores a recorded completion exactly as it generated it.
+        scored = [[_logprob(i - start, t) - shift, t, None] for i, t in enumerate(ids) if i >= start]
+        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0},
+                "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
+                "input_token_logprobs": scored if body.get("return_logprob") else [],
+                "output_token_logprobs": []}  # fmt: skip
+        return _json_response({"text": "", "output_ids": [], "meta_info": meta})
 
     # ----------------------------------------------------------------- chat
     async def _chat(self, request: web.Request) -> web.StreamResponse:

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -136,12 +137,21 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
                 messages.append({"role": "user", "content": f"And the next city ({turn})?"})
         assert finishes.count("tool_calls") == 5 and finishes.count("stop") == 5
         assert proxy.proc is not None and proxy.proc.poll() is None
+        # One unconstrained turn in another session: sampled straight from the model's own distribution.
+        free = openai.OpenAI(base_url=proxy.url + "/v1", api_key="e2e", default_headers={"x-session-id": "free"})
+        free.chat.completions.create(
+            model="tiny-qwen3",
+            messages=[{"role": "user", "content": "Ramble."}],
+            temperature=1.0,
+            seed=7,
+            max_tokens=24,
+        )
 
     recorded = read_session_file(record_dir / "real.jsonl")
     ids = recorded.full_ids()
-    generates = tap.of("/inference/v1/generate")
-    renders = tap.of("/v1/chat/completions/render")
-    whole = [c for c in tap.of("/v1/chat/completions/derender") if not c["request"].get("stream")]
+    generates = tap.of("/inference/v1/generate")[:10]
+    renders = tap.of("/v1/chat/completions/render")[:10]
+    whole = [c for c in tap.of("/v1/chat/completions/derender") if not c["request"].get("stream")][:9]
     live = [c for c in tap.of("/v1/chat/completions/derender") if c["request"].get("stream")]
     assert len(recorded.turns) == len(generates) == len(renders) == 10 and len(whole) == 9
     previous: list[int] = []
@@ -172,6 +182,26 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
     assert [t.finish_reason for t in recorded.turns] == finishes
     # vLLM's own re-render of the history drifts from the token-exact prompt at least once in this session.
     assert any(not t.render_skew["equal"] for t in recorded.turns[1:])
+    # Re-drive: score the recorded completions with prompt_logprobs on the same checkpoint. The rollouts were
+    # sampled under the agent's regex (grammar-masked, so the sampled tokens had far higher probability than
+    # the raw model gives them): re-drive must see that off-policy gap, as a positive KL estimate on every turn.
+    out = tmp_path / "redrive.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "tito_addon", "redrive", str(record_dir), "--backend", vllm_url,
+         "--backend-kind", "vllm", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    totals = json.loads(out.read_text())["totals"]
+    print(f"\nredrive on the sampling checkpoint: {totals}")
+    free_turns = read_session_file(record_dir / "free.jsonl").turns
+    all_tokens = sum(len(t.completion_ids) for t in recorded.turns + free_turns)
+    assert totals["turns"] == 11 and totals["tokens"] == all_tokens
+    turns = json.loads(out.read_text())["turns"]
+    steered = [t for t in turns if t["session_id"] == "real"]
+    (unconstrained,) = [t for t in turns if t["session_id"] == "free"]
+    assert len(steered) == 10 and all(t["kl_estimate"] > 1.0 for t in steered), "grammar-masked rollouts are off-policy"
+    assert unconstrained["mean_abs_diff"] < 0.05, "the sampling checkpoint scores its own free samples alike"
 
 
 def generate_events(call: dict) -> list[dict]:
