@@ -16,7 +16,7 @@ from typing import Any
 
 from tito_addon.record_reader import RecordError, iter_session_files
 
-SUBCOMMANDS = ("show", "export", "replay", "redrive", "reference-backend", "demo")
+SUBCOMMANDS = ("show", "export", "replay", "redrive", "audit", "reference-backend", "demo")
 # Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
 REPLAY_MODE = "reverse:http://127.0.0.1:1"
 
@@ -152,6 +152,55 @@ def redrive_command(argv: list[str]) -> int:
     return 0
 
 
+def audit_command(argv: list[str]) -> int:
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from tito_addon.drift_audit import CLASSES, audit_session
+    from tito_addon.token_engine import load_tokenizer
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon audit",
+        description="Compare each recorded branch with a stock re-render of its messages; classify every drift.",
+    )
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("--tokenizer", help="default: the tokenizer named in the recording")
+    parser.add_argument("--json", type=Path, help="write the full audit (every differing span) as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        files = list(iter_session_files(args.record_dir))
+        names = {args.tokenizer} if args.tokenizer else {t.tokenizer.name for f in files for t in f.turns[:1]}
+        tokenizers = {name: load_tokenizer(name, trust_remote_code=False) for name in names}
+        audits = []
+        with Progress(transient=True) as progress:
+            task = progress.add_task("auditing sessions", total=len(files))
+            for session_file in files:
+                if session_file.turns:
+                    name = args.tokenizer or session_file.turns[0].tokenizer.name
+                    audits += audit_session(session_file, tokenizers[name])
+                progress.advance(task)
+    except (RecordError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    table = Table("session", "branch leaf", "tokens", "drifted", *CLASSES)
+    totals: Counter[str] = Counter()
+    for audit in audits:
+        kinds = audit.kinds()
+        totals.update(kinds)
+        drifted = sum(audit.per_turn.values())
+        table.add_row(audit.session_id[:16], str(audit.leaf_turn_id), str(audit.tokens), str(drifted),
+                      *(str(kinds.get(c, "")) for c in CLASSES))  # fmt: skip
+    console = Console(width=200)
+    console.print(table)
+    console.print(f"{len(audits)} branches; drift spans by kind: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+    if args.json:
+        args.json.write_text(json.dumps([a.as_dict() for a in audits], ensure_ascii=False, indent=1), "utf-8")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "show":
@@ -165,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             [] if any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in rest) else ["--mode", REPLAY_MODE]
         )
         return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[1]).resolve()}", *rest])
+    if argv and argv[0] == "audit":
+        return audit_command(argv[1:])
     if argv and argv[0] == "redrive":
         return redrive_command(argv[1:])
     if argv and argv[0] == "export":
