@@ -4,6 +4,8 @@ session against a stock re-render (ids, not text)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from proxy_harness import REPO, Mitmdump
 from test_proxy_sglang import agent, run_agent
 
 from tito_addon.drift_audit import classify
+from tito_addon.record_reader import iter_session_files
 from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
 
 # What each drift case is, in the audit's words.
@@ -63,15 +66,20 @@ def test_every_drift_case_is_found_and_classified(family: str) -> None:
         assert recorded_kept == canonical_kept, case["kind"]
 
 
-def test_audit_of_a_recorded_session(tmp_path: Path) -> None:
-    record_dir = tmp_path / "rec"
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory) -> Path:
+    record_dir = tmp_path_factory.mktemp("rec")
     with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica, Mitmdump(
-        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path
+        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=record_dir.parent
     ) as proxy:  # fmt: skip
         run_agent(agent(proxy, "audited"), 6)
+    return record_dir
+
+
+def test_audit_of_a_recorded_session(audited: Path, tmp_path: Path) -> None:
     out = tmp_path / "audit.json"
     result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", "audit", str(record_dir), "--json", str(out)],
+        [sys.executable, "-m", "tito_addon", "audit", str(audited), "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
@@ -85,3 +93,63 @@ def test_audit_of_a_recorded_session(tmp_path: Path) -> None:
     assert kinds.get("eos_newline", 0) >= 1
     assert sum(branch["differing_tokens_per_turn"].values()) > 0
     assert set(branch["differing_tokens_per_turn"]) == {str(i) for i in range(6)}
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not found:
+        if os.environ.get("TITO_CHROMIUM_REQUIRED") == "1":
+            pytest.fail("the audit page test needs Chromium (apt-get install chromium)")
+        pytest.skip("Chromium is not installed")
+    return found
+
+
+def test_audit_page_renders_in_headless_chromium(audited: Path, tmp_path: Path) -> None:
+    from html.parser import HTMLParser
+
+    browser = chromium()
+    page = tmp_path / "audit.html"
+    result = subprocess.run(
+        [sys.executable, "-m", "tito_addon", "audit", str(audited), "--html", str(page)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]  # fmt: skip
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120
+    ).stdout
+    shot = tmp_path / "audit.png"
+    subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,900", page.as_uri()],
+                   capture_output=True, timeout=120)  # fmt: skip
+
+    class Tokens(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens: list[dict[str, str]] = []
+            self.inserts: list[dict[str, str]] = []
+
+        def handle_starttag(self, tag: str, attrs: list) -> None:
+            values = {k: v or "" for k, v in attrs}
+            classes = values.get("class", "").split()
+            if "tok" in classes:
+                self.tokens.append(values)
+            if "drift-insert" in classes:
+                self.inserts.append(values)
+
+    parsed = Tokens()
+    parsed.feed(dom)
+    (session_file,) = list(iter_session_files(audited))
+    ids = session_file.full_ids()
+    leaf = session_file.turns[-1]
+    prompt, completion = ids[leaf.turn_id]
+    # Every token of the trajectory, in order, with its id; sampled ones exactly the recorded completions.
+    assert [int(t["data-id"]) for t in parsed.tokens] == prompt + completion
+    sampled = [t for t in parsed.tokens if "sampled" in t["class"].split()]
+    assert len(sampled) == sum(len(t.completion_ids) for t in session_file.turns)
+    assert all("background" in t["style"] for t in sampled)
+    kinds = {t.get("data-kind") for t in parsed.tokens if "drift" in t["class"].split()}
+    assert {"bpe_resplit", "stripped_think"} <= kinds
+    assert any(i["data-kind"] == "eos_newline" for i in parsed.inserts)
+    assert shot.exists() and shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

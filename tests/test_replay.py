@@ -77,3 +77,32 @@ def test_a_miss_can_be_served_live_and_recorded(recorded, tmp_path: Path) -> Non
             assert served.status_code == 200 and "x-tito-replay" not in served.headers
         assert len(replica.received()) == 1
     assert len(list(live_dir.glob("*.jsonl"))) == 1
+
+
+def test_a_flow_file_regenerates_its_trajectories_offline(tmp_path: Path) -> None:
+    """`mitmdump -w` keeps each turn's record in flow.metadata; `mitmdump -r` through the addon writes them again."""
+    import subprocess
+
+    from proxy_harness import REPO
+
+    from tito_addon.record_reader import iter_session_files
+
+    original, regenerated, flows = tmp_path / "rec", tmp_path / "regen", tmp_path / "flows.mitm"
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica, Mitmdump(
+        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=original, cwd=tmp_path,
+        extra_args=["-w", str(flows)],
+    ) as proxy:  # fmt: skip
+        run_agent(agent(proxy, "captured"), 3)
+        run_agent(agent(proxy), 2, stream=True, first="Weather in Quito?")
+    mitmdump = Path(sys.executable).with_name("mitmdump")
+    argv = [str(mitmdump), "-n", "-q", "-r", str(flows), "-s", str(REPO / "tito_addon" / "__init__.py"),
+            "--set", f"tito_record_dir={regenerated}"]  # fmt: skip
+    for _ in range(2):  # a second pass adds nothing: turns already on disk are not written twice
+        result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+
+    def turns(directory: Path) -> dict:
+        return {f.turns[0].session_id: [t.model_dump() for t in f.turns] for f in iter_session_files(directory)}
+
+    assert turns(regenerated) == turns(original)
+    assert sum(len(v) for v in turns(regenerated).values()) == 5

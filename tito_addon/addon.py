@@ -22,6 +22,8 @@ from tito_addon.backend_kinds import make_backend
 from tito_addon.backend_routes import BackendRoutes, backend_url_from_env
 from tito_addon.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.model_families import FAMILIES
+from tito_addon.record_models import TurnRecord
+from tito_addon.record_reader import read_session_file
 from tito_addon.session_tree import SessionStore
 from tito_addon.tito_errors import TitoError
 from tito_addon.tito_settings import TitoSettings
@@ -52,6 +54,8 @@ class TitoAddon:
         self._sweeper: asyncio.Task[None] | None = None
         self.live = LiveStreamServer()
         self._turns: dict[str, set[asyncio.Task[HttpReply]]] = {}
+        self.regenerator: TrajectoryRecorder | None = None
+        self._regenerated: dict[str, set[int]] = {}
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -106,7 +110,8 @@ class TitoAddon:
             # ERROR at startup makes mitmdump exit. A pure offline replay needs no tokenizer.
             self.service = None
             replay_only = getattr(opts, "tito_replay_dir", "") and getattr(opts, "tito_replay_fallback", "") != "live"
-            if not replay_only:
+            self.regenerator = TrajectoryRecorder(opts.tito_record_dir)
+            if not replay_only and not getattr(opts, "rfile", None):  # -r only rewrites recorded trajectories
                 logger.error("tito: tito_tokenizer is required: --set tito_tokenizer=<HF model name or tokenizer dir>")
             return
         try:
@@ -263,6 +268,30 @@ class TitoAddon:
         flow.metadata["tito_live"] = True
         flow.request.scheme, flow.request.host, flow.request.port, flow.request.path = "http", "127.0.0.1", port, path
         return True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        """`mitmdump -r FILE`: a recorded flow's metadata holds its turn's record line; write it again."""
+        if flow.live:
+            return
+        record = (flow.metadata.get("tito") or {}).get("record")
+        if not isinstance(record, dict):
+            return
+        recorder = self.service.recorder if self.service is not None else self.regenerator
+        if recorder is None:
+            return
+        try:
+            turn = TurnRecord.model_validate(record)
+        except ValueError:
+            logger.warning("tito: flow %s carries an unreadable record; skipped", flow.id)
+            return
+        known = self._regenerated.get(turn.session_id)
+        if known is None:
+            path = recorder.path_for(turn.session_id)
+            known = {t.turn_id for t in read_session_file(path).turns} if path.is_file() else set()
+            self._regenerated[turn.session_id] = known
+        if turn.turn_id not in known:
+            recorder.write_turn(turn)
+            known.add(turn.turn_id)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("tito_live") and flow.response is not None:

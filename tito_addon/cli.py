@@ -169,9 +169,13 @@ def audit_command(argv: list[str]) -> int:
     parser.add_argument("record_dir", type=Path)
     parser.add_argument("--tokenizer", help="default: the tokenizer named in the recording")
     parser.add_argument("--json", type=Path, help="write the full audit (every differing span) as JSON here")
+    parser.add_argument("--html", type=Path, help="write one trajectory, token by token, as an HTML page here")
+    parser.add_argument("--branch", help="SESSION:LEAF_TURN for --html (default: the first branch)")
     args = parser.parse_args(argv)
     try:
         files = list(iter_session_files(args.record_dir))
+        for session_file in files:
+            session_file.full_ids()  # a partial recording fails here, before any tokenizer is loaded
         names = {args.tokenizer} if args.tokenizer else {t.tokenizer.name for f in files for t in f.turns[:1]}
         tokenizers = {name: load_tokenizer(name, trust_remote_code=False) for name in names}
         audits = []
@@ -198,6 +202,18 @@ def audit_command(argv: list[str]) -> int:
     console.print(f"{len(audits)} branches; drift spans by kind: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     if args.json:
         args.json.write_text(json.dumps([a.as_dict() for a in audits], ensure_ascii=False, indent=1), "utf-8")
+    if args.html:
+        from tito_addon.audit_page import render_page
+
+        wanted = [a for a in audits if not args.branch or f"{a.session_id}:{a.leaf_turn_id}" == args.branch]
+        if not wanted:
+            print(f"error: no branch {args.branch!r} in {args.record_dir}", file=sys.stderr)
+            return 2
+        chosen = wanted[0]
+        session_file = next(f for f in files if f.turns and f.turns[0].session_id == chosen.session_id)
+        name = args.tokenizer or session_file.turns[0].tokenizer.name
+        args.html.write_text(render_page(session_file, chosen, tokenizers[name]), "utf-8")
+        console.print(f"page: {args.html}")
     return 0
 
 

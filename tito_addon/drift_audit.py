@@ -40,7 +40,6 @@ CLASSES = (
     "whitespace",
     "template_other",
 )
-_EMPTY_THINK = re.compile(r"^\s*<think>\s*</think>\s*$")
 _WHITESPACE = re.compile(r"\s+")
 
 
@@ -82,13 +81,12 @@ def _kind(a: str, b: str, a_ids: list[int], b_ids: list[int], special: set[int],
     if unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b):
         return "unicode_normalization"
     one_sided = b if not a else a if not b else None
-    if one_sided is not None:
-        if one_sided.strip() == "" and "\n" in one_sided and len(one_sided) <= 2:
-            return "eos_newline"
-        if _EMPTY_THINK.match(one_sided):
-            return "template_kwarg"
-        if "<think>" in one_sided or "</think>" in one_sided:
-            return "stripped_think"
+    if one_sided is not None and one_sided.strip() == "" and "\n" in one_sided and len(one_sided) <= 2:
+        return "eos_newline"
+    a_think, b_think = ("<think>" in a or "</think>" in a), ("<think>" in b or "</think>" in b)
+    if a_think != b_think:  # one side has a think block the other lacks (whitespace may have merged in)
+        think_side = a if a_think else b
+        return "template_kwarg" if _WHITESPACE.sub("", think_side) == "<think></think>" else "stripped_think"
     in_tool_call = context.rfind("<tool_call>") > context.rfind("</tool_call>")
     if in_tool_call or "\\u" in a + b or '\\"' in a + b:
         return "tool_call_json"

@@ -221,7 +221,7 @@ class TurnService:
 
     def finish(self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str]) -> dict[str, Any]:
         """Commit a turn the backend completed; the flow metadata that describes it."""
-        node = self.commit(prepared, result, headers.get("x-request-id"))
+        node, record = self.commit(prepared, result, headers.get("x-request-id"))
         self.sweep()  # a new session may have taken the store past its capacity
         return {
             "session_id": node.session.session_id,
@@ -229,6 +229,8 @@ class TurnService:
             "parent_turn_id": node.parent.turn_id if node.parent else None,
             "prompt_tokens": len(prepared.prompt_ids),
             "completion_tokens": len(result.completion_ids),
+            # The whole record line: a `-w` flow file is then enough to regenerate the trajectory (`-r`).
+            "record": record.model_dump(mode="json", by_alias=True),
         }
 
     async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
@@ -283,7 +285,9 @@ class TurnService:
             session.inflight -= 1
             self.store.touch(session)
 
-    def commit(self, prepared: PreparedTurn, result: BackendResult, request_id: str | None) -> TurnNode:
+    def commit(
+        self, prepared: PreparedTurn, result: BackendResult, request_id: str | None
+    ) -> tuple[TurnNode, TurnRecord]:
         """Write the record line, then add the node. Synchronous, so no other turn can interleave."""
         session = prepared.attachment.session
         if session is None and prepared.session_id is not None:
@@ -344,7 +348,7 @@ class TurnService:
             result.finish_reason,
             tools_sha,
         )
-        return node
+        return node, record
 
     def restore(self, session_id: str) -> None:
         """Rebuild a named session from its record file (after a restart or hot reload), so its turns
