@@ -119,19 +119,10 @@ class BranchAudit:
 
 def audit_session(session_file: SessionFile, tokenizer: Any) -> list[BranchAudit]:
     """Every branch of the session against a stock re-render of its final messages."""
-    turns = {t.turn_id: t for t in session_file.turns}
     ids = session_file.full_ids()
-    parents = {t.parent_turn_id for t in session_file.turns if t.parent_turn_id is not None}
     audits = []
-    for leaf in session_file.turns:
-        if leaf.turn_id in parents:
-            continue
-        path: list[TurnRecord] = []
-        node: TurnRecord | None = leaf
-        while node is not None:
-            path.append(node)
-            node = turns[node.parent_turn_id] if node.parent_turn_id is not None else None
-        path.reverse()
+    for path in session_file.branches():
+        leaf = path[-1]
         prompt, completion = ids[leaf.turn_id]
         recorded = prompt + completion
         messages = []

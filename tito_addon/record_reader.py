@@ -14,7 +14,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from tito_addon.message_keys import message_key
 from tito_addon.record_models import CLOSE_SCHEMA, TURN_SCHEMA, SessionCloseRecord, TurnRecord
+from tito_addon.session_tree import Session, SessionStore, TurnNode
+from tito_addon.wire_models import ChatMessage
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,20 @@ class SessionFile:
     turns: list[TurnRecord] = field(default_factory=list)
     closes: list[SessionCloseRecord] = field(default_factory=list)
     skipped_lines: list[int] = field(default_factory=list)
+
+    def branches(self) -> Iterator[list[TurnRecord]]:
+        """Every root-to-leaf path of the session's tree, in the order the leaves were recorded."""
+        turns = {t.turn_id: t for t in self.turns}
+        parents = {t.parent_turn_id for t in self.turns if t.parent_turn_id is not None}
+        for leaf in self.turns:
+            if leaf.turn_id in parents:
+                continue
+            path: list[TurnRecord] = []
+            node: TurnRecord | None = leaf
+            while node is not None:
+                path.append(node)
+                node = turns.get(node.parent_turn_id) if node.parent_turn_id is not None else None
+            yield path[::-1]
 
     def full_ids(self) -> dict[int, tuple[list[int], list[int]]]:
         """turn_id -> (prompt ids, completion ids), rebuilt from each turn's added ids."""
@@ -85,3 +102,25 @@ def iter_session_files(record_dir: Path) -> Iterator[SessionFile]:
         raise RecordError(f"{record_dir} is not a directory")
     for path in sorted(record_dir.glob("*.jsonl")):
         yield read_session_file(path)
+
+
+def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecord]) -> dict[int, TurnNode]:
+    """Put recorded turns back into a session tree (resume after a restart, offline replay)."""
+    nodes: dict[int, TurnNode] = {}
+    for turn in turns:
+        parent = nodes[turn.parent_turn_id] if turn.parent_turn_id is not None else None
+        segment = [ChatMessage.model_validate(m) for m in turn.appended_messages]
+        segment.append(ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"}))
+        nodes[turn.turn_id] = store.commit(
+            session,
+            parent,
+            (parent.message_end if parent else 0) + len(segment),
+            tuple(message_key(m) for m in segment),
+            tuple(m.reasoning_text() if m.role == "assistant" else None for m in segment),
+            turn.prompt_added_ids,
+            turn.completion_ids,
+            turn.finish_reason,
+            turn.tools_sha256,
+            turn_id=turn.turn_id,
+        )
+    return nodes

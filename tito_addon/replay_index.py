@@ -15,8 +15,8 @@ from typing import Any
 
 from tito_addon.message_keys import message_key
 from tito_addon.record_models import TurnRecord
-from tito_addon.record_reader import iter_session_files
-from tito_addon.session_tree import ChildIndex, SessionStore, TurnNode
+from tito_addon.record_reader import iter_session_files, rebuild_session
+from tito_addon.session_tree import ChildIndex, SessionStore
 from tito_addon.wire_models import ChatMessage
 
 
@@ -53,24 +53,11 @@ class ReplayIndex:
         index = cls()
         for session_file in iter_session_files(record_dir):
             session = index.store.new_session(None)
-            nodes: dict[int, TurnNode] = {}
-            for record in session_file.turns:
-                parent = nodes[record.parent_turn_id] if record.parent_turn_id is not None else None
-                segment = [ChatMessage.model_validate(m) for m in record.appended_messages]
-                segment.append(ChatMessage.model_validate({**record.assistant_message, "role": "assistant"}))
-                node = index.store.commit(
-                    session,
-                    parent,
-                    (parent.message_end if parent else 0) + len(segment),
-                    tuple(message_key(m) for m in segment),
-                    tuple(m.reasoning_text() if m.role == "assistant" else None for m in segment),
-                    record.prompt_added_ids,
-                    record.completion_ids,
-                    record.finish_reason,
-                )
-                nodes[record.turn_id] = node
-                index.records[id(node)] = record
-                index.turns += 1
+            nodes = rebuild_session(index.store, session, session_file.turns)
+            by_id = {record.turn_id: record for record in session_file.turns}
+            for turn_id, node in nodes.items():
+                index.records[id(node)] = by_id[turn_id]
+            index.turns += len(nodes)
         return index
 
     def answer(self, messages: list[ChatMessage]) -> TurnRecord | ReplayMiss:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.record_models import TurnRecord
 from tito_addon.record_reader import SessionFile, iter_session_files
 
 FORMATS = ("parquet", "jsonl")
@@ -43,18 +42,9 @@ class BranchRow:
 
 def branches(session_file: SessionFile) -> Iterator[BranchRow]:
     """Every root-to-leaf path of the session's tree, in the order the leaves were recorded."""
-    turns = {t.turn_id: t for t in session_file.turns}
     ids = session_file.full_ids()
-    parents = {t.parent_turn_id for t in session_file.turns if t.parent_turn_id is not None}
-    for leaf in session_file.turns:
-        if leaf.turn_id in parents:
-            continue
-        path: list[TurnRecord] = []
-        node: TurnRecord | None = leaf
-        while node is not None:
-            path.append(node)
-            node = turns[node.parent_turn_id] if node.parent_turn_id is not None else None
-        path.reverse()
+    for path in session_file.branches():
+        leaf = path[-1]
         prompt, completion = ids[leaf.turn_id]
         sequence = prompt + completion
         mask = [0] * len(sequence)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn, StreamEnd
 from tito_addon.message_keys import message_key
 from tito_addon.record_models import SegmentSpan, TokenizerInfo, TurnRecord
-from tito_addon.record_reader import RecordError, read_session_file
+from tito_addon.record_reader import RecordError, read_session_file, rebuild_session
 from tito_addon.session_tree import Attachment, Session, SessionStore, TurnNode
 from tito_addon.sse_framing import SSE_HEADERS, sse_from_completion
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
@@ -364,23 +364,7 @@ class TurnService:
         except (OSError, RecordError) as exc:
             raise TitoError(f"cannot resume session from its record file: {exc}", status=409) from exc
         session = self.store.new_session(session_id)
-        nodes: dict[int, TurnNode] = {}
-        for turn in recorded.turns:
-            parent = nodes[turn.parent_turn_id] if turn.parent_turn_id is not None else None
-            segment = [ChatMessage.model_validate(m) for m in turn.appended_messages]
-            segment.append(ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"}))
-            nodes[turn.turn_id] = self.store.commit(
-                session,
-                parent,
-                (parent.message_end if parent else 0) + len(segment),
-                tuple(message_key(m) for m in segment),
-                tuple(m.reasoning_text() if m.role == "assistant" else None for m in segment),
-                turn.prompt_added_ids,
-                turn.completion_ids,
-                turn.finish_reason,
-                turn.tools_sha256,
-                turn_id=turn.turn_id,
-            )
+        nodes = rebuild_session(self.store, session, recorded.turns)
         if recorded.skipped_lines:
             session.next_turn_id += len(recorded.skipped_lines)  # never reuse the id of a torn line
         logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
