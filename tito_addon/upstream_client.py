@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import orjson
 
 from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough, UpstreamUnavailable
 
@@ -32,7 +33,7 @@ class UpstreamResponse:
     body: bytes
 
     def json(self) -> Any:
-        return json.loads(self.body)
+        return loads(self.body)
 
 
 class UpstreamClient:
@@ -48,7 +49,7 @@ class UpstreamClient:
         return self._session
 
     async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
-        payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+        payload = dumps(body)
         return await self._request("POST", url, {**headers, "content-type": "application/json"}, payload)
 
     async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
@@ -77,7 +78,7 @@ class UpstreamClient:
         A non-200 answer raises UpstreamPassthrough before anything is yielded. Closing the generator closes
         the upstream connection, which is how a disconnected agent cancels its generation."""
         shown = _without_credentials(url)
-        payload = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+        payload = dumps(body)
         send = {**_sendable(headers), "content-type": "application/json", "accept": "text/event-stream"}
         # No total limit on a stream: the limit is on silence between two reads.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
@@ -121,6 +122,22 @@ def _sendable(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _FRAMING}
 
 
+def dumps(value: Any) -> bytes:
+    """Request bodies carry the whole prompt as ids every turn: orjson encodes them ~10x faster than json."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # e.g. an integer beyond 64 bits that an agent passed through
+        return json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """Fast path for the echoed ids; json for what orjson refuses (NaN, which some backends send)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
 _DONE: Any = object()
 
 
@@ -132,7 +149,7 @@ def _sse_data(line: bytes) -> Any:
     if data == b"[DONE]":
         return _DONE
     try:
-        event = json.loads(data)
+        event = loads(data)
     except ValueError as exc:
         raise UpstreamMalformed("backend streamed an event that is not JSON") from exc
     if not isinstance(event, dict):
