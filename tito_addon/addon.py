@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from tito_addon.upstream_client import UpstreamClient
 logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 5.0
+STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 # Options whose change needs a new token engine (and so a new tokenizer load).
 ENGINE_OPTIONS = {
@@ -249,8 +251,10 @@ class TitoAddon:
         """Hand a streaming turn to the live stream server, if the backend can stream exact ids."""
         if self.service is None:
             return False
+        body = flow.request.content or b""
+        if not STREAM_TRUE.search(body):
+            return False  # the hot path: no second parse of a body that does not ask for a stream
         try:
-            body = flow.request.content or b""
             wants_stream = json.loads(body).get("stream") is True
         except (ValueError, AttributeError, RecursionError):
             return False  # the ordinary path answers the bad body
