@@ -412,11 +412,7 @@ def test_other_routes_pass_through_untouched(proxy, fresh) -> None:
     assert fresh.received() == []
 
 
-@pytest.mark.parametrize("via", ["header", "path"])
-@pytest.mark.parametrize(
-    "session_id", ["../escape", "../../etc/passwd", "/abs/path", "a/b", "..", "x" * 250, "日本語-セッション", "C:\\win"]
-)
-def test_session_ids_never_escape_the_record_dir(proxy, fresh, record_dir, session_id, via) -> None:
+def session_request(proxy, session_id: str, via: str, content: str):
     from urllib.parse import quote
 
     if via == "header":
@@ -427,8 +423,14 @@ def test_session_ids_never_escape_the_record_dir(proxy, fresh, record_dir, sessi
         url, headers = proxy.url + "/v1/chat/completions", {"x-session-id": session_id}
     else:
         url, headers = f"{proxy.url}/sessions/{quote(session_id, safe='')}/v1/chat/completions", {}
+    return post(url, json={"model": "m", "messages": [{"role": "user", "content": content}]}, headers=headers)
+
+
+@pytest.mark.parametrize("via", ["header", "path"])
+@pytest.mark.parametrize("session_id", ["a/b", "team/run-1", "with space", "日本語-セッション", "C:\\win", "x" * 200])
+def test_ordinary_session_ids_are_mapped_into_the_record_dir(proxy, fresh, record_dir, session_id, via) -> None:
     before = set(record_dir.iterdir())
-    response = post(url, json={"model": "m", "messages": [{"role": "user", "content": f"Hi {via}"}]}, headers=headers)
+    response = session_request(proxy, session_id, via, f"Hi {via}")
     assert response.status_code == 200, response.text
     path = record_dir / session_file_name(session_id)
     assert path.parent == record_dir and path.is_file()
@@ -437,6 +439,22 @@ def test_session_ids_never_escape_the_record_dir(proxy, fresh, record_dir, sessi
     naive = Path(str(record_dir) + "/" + session_id + ".jsonl")
     if record_dir.resolve() not in naive.resolve().parents:
         assert not naive.exists(), "a naive join would have written outside the record dir"
+
+
+@pytest.mark.parametrize("via", ["header", "path"])
+@pytest.mark.parametrize(
+    "session_id",
+    ["../escape", "../../etc/passwd", "/abs/path", "\\server\\share", "..", "a/../b", "a\\..\\b", "x" * 201,
+     "tab\there", "nul\x00", "del\x7f", "c1\x85"],
+)  # fmt: skip
+def test_hostile_session_ids_are_400_and_write_nothing(proxy, fresh, record_dir, tmp_path, session_id, via) -> None:
+    before = {p: p.stat().st_size for p in record_dir.iterdir()}
+    response = session_request(proxy, session_id, via, f"Hi hostile {via}")
+    assert response.status_code == 400, response.text
+    assert "invalid session id" in response.json()["error"]["message"]
+    assert fresh.received() == []
+    assert {p: p.stat().st_size for p in record_dir.iterdir()} == before
+    assert not (record_dir / session_file_name(session_id)).exists()
 
 
 def test_invalid_session_ids_are_400(proxy, fresh) -> None:

@@ -29,7 +29,7 @@ from tito_addon.sse_framing import SSE_HEADERS, sse_from_completion
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.token_engine import PromptPiece, TokenEngine
 from tito_addon.trajectory_recorder import TrajectoryRecorder
-from tito_addon.wire_models import ChatMessage, ChatRequest
+from tito_addon.wire_models import ChatMessage, ChatRequest, session_id_problem
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ DROPPED_HEADERS = frozenset(
         "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer", "upgrade", "expect",
     }
 )  # fmt: skip
-MAX_SESSION_ID = 256
 
 
 @dataclass
@@ -110,8 +109,9 @@ def parse_body(body: bytes) -> ChatRequest:
 def checked_session_id(value: str | None, where: str) -> str | None:
     if value is None:
         return None
-    if not value or len(value) > MAX_SESSION_ID or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise BadRequest(f"invalid session id in {where}: 1 to {MAX_SESSION_ID} printable characters required")
+    problem = session_id_problem(value)
+    if problem is not None:
+        raise BadRequest(f"invalid session id in {where}: {problem}; nothing was forwarded")
     return value
 
 
@@ -173,8 +173,9 @@ class TurnService:
         if match is None:
             raise BadRequest(f"not a chat-completions path: {path}")
         session_id = checked_session_id(headers.get(self.session_header), f"header {self.session_header}")
-        if session_id is None and match.group("sid") is not None:
-            session_id = checked_session_id(unquote(match.group("sid")), "path")
+        path_id = match.group("sid")
+        path_id = checked_session_id(unquote(path_id), "path") if path_id is not None else None
+        session_id = session_id if session_id is not None else path_id
         request = parse_body(body)
         self.backend.check_request(request)
         if session_id is not None and session_id not in self.store.sessions:

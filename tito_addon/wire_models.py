@@ -8,11 +8,36 @@ many extensions (sglang sampling fields, `chat_template_kwargs`, ...).
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Role = Literal["system", "user", "assistant", "tool"]
+
+MAX_SESSION_ID = 200
+_ID_SEGMENTS = re.compile(r"[/\\]")
+
+
+def session_id_problem(value: str) -> str | None:
+    """Why a client-supplied session id is refused, or None when it is acceptable.
+
+    Ids are never joined into a path (the recorder maps them to a safe name), but an id that looks like a path
+    traversal or carries control characters is a client bug or an attack: refusing it keeps such values out of
+    files, logs and `tito.sessions` altogether. Ordinary ids (unicode, spaces, `team/run-1`) stay accepted.
+    """
+    if not value:
+        return "it is empty"
+    if len(value) > MAX_SESSION_ID:
+        return f"it is longer than {MAX_SESSION_ID} characters"
+    if any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        return "it contains a control character"
+    if value[0] in "/\\":
+        return "it starts with a path separator"
+    if ".." in _ID_SEGMENTS.split(value):
+        return "it contains a '..' path segment"
+    return None
 
 
 class FunctionCall(BaseModel):
