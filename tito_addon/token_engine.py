@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,11 @@ class TokenEngine:
         for role in self.append_roles:
             if role not in APPENDABLE_ROLES:
                 raise ValueError(f"unknown append role {role!r}; choose from {', '.join(APPENDABLE_ROLES)}")
+            if role in family.refused_append_roles:
+                raise ValueError(
+                    f"family {family.name} cannot append {role} messages to a stored turn: "
+                    f"{family.refused_append_roles[role]}"
+                )
         bad = FORBIDDEN_KWARGS & set(self.pinned_kwargs)
         if bad:
             raise ValueError(f"chat template kwargs may not set {', '.join(sorted(bad))}")
@@ -108,6 +114,11 @@ class TokenEngine:
         self.stop_ids = self._stop_ids()
         self.stop_texts = {i: str(self.tokenizer.convert_ids_to_tokens(i)) for i in self.stop_ids}
         self.end_of_turn_ids = self._end_of_turn_ids()
+        self.unterminated_ids = (
+            self.encode(family.unterminated_close) if family.unterminated_close else list(self.end_of_turn_ids)
+        )
+        self.end_of_turn_tails = self._end_of_turn_tails()
+        self._tool_name_pattern = re.compile(family.tool_call_name_pattern) if family.tool_call_name_pattern else None
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
         self.tokenizer_sha256 = self._tokenizer_sha256()
 
@@ -171,7 +182,9 @@ class TokenEngine:
                     f"{', '.join(self.append_roles)}; to allow more roles set tito_append_roles)"
                 )
         boundary = self.boundary_ids(parent_completion_ids)
-        messages_text, generation_text = self._synthetic_suffix(appended, tools, kwargs)
+        messages_text, generation_text = self._synthetic_suffix(
+            appended, tools, kwargs, self.called_tool_names(parent_completion_ids)
+        )
         body = self.encode(messages_text + generation_text)
         generation_ids = self.encode(generation_text)
         split = len(body) - len(generation_ids)
@@ -193,20 +206,34 @@ class TokenEngine:
     def boundary_ids(self, completion_ids: Sequence[int]) -> list[int]:
         """The end-of-turn tail the template writes after an assistant turn but the model did not emit.
 
-        A completion that stopped on the first id(s) of the tail (Qwen: `<|im_end|>` without its `\\n`)
-        gets the rest. One that did not close its turn (cut off by max_tokens, or a stop string) gets
-        the whole tail, so the next message never glues onto an unterminated assistant turn.
+        A completion that stopped on the first id(s) of a tail (Qwen: `<|im_end|>` without its `\\n`; gpt-oss:
+        `<|return|>` after a final answer, `<|call|>` after a tool call) gets the rest of that tail. One that did
+        not close its turn (cut off by max_tokens, or a stop string) gets the family's close (the template's tail
+        after assistant text, or gpt-oss's `<|end|>`), so the next message never glues onto an unterminated turn.
         """
-        tail = self.end_of_turn_ids
-        for k in range(min(len(tail), len(completion_ids)), 0, -1):
-            if list(completion_ids[-k:]) == tail[:k]:
-                return tail[k:]
-        return list(tail)
+        best_k, best_tail = 0, self.unterminated_ids
+        for tail in self.end_of_turn_tails:
+            for k in range(min(len(tail), len(completion_ids)), best_k, -1):
+                if list(completion_ids[-k:]) == tail[:k]:
+                    best_k, best_tail = k, tail
+                    break
+        return list(best_tail[best_k:])
+
+    def called_tool_names(self, completion_ids: Sequence[int]) -> list[str]:
+        """Names of the tools a completion called, in order, where the family's template needs them."""
+        if self._tool_name_pattern is None or not completion_ids:
+            return []
+        text = self.tokenizer.decode(list(completion_ids), skip_special_tokens=False)
+        return self._tool_name_pattern.findall(text)
 
     def _synthetic_suffix(
-        self, appended: list[ChatMessage], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+        self,
+        appended: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        called_names: Sequence[str] = (),
     ) -> tuple[str, str]:
-        base = self._synthetic_base(appended)
+        base = self._synthetic_base(appended, called_names)
         extended = base + [template_message(m) for m in appended]
         before = self.render(base, tools, add_generation_prompt=False, kwargs=kwargs)
         without_prompt = self.render(extended, tools, add_generation_prompt=False, kwargs=kwargs)
@@ -219,17 +246,24 @@ class TokenEngine:
         return without_prompt[len(before) :], with_prompt[len(without_prompt) :]
 
     @staticmethod
-    def _synthetic_base(appended: list[ChatMessage]) -> list[dict[str, Any]]:
-        """A stand-in history ending in an assistant turn whose tool calls pair with the appended results."""
+    def _synthetic_base(appended: list[ChatMessage], called_names: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """A stand-in history ending in an assistant turn whose tool calls pair with the appended results.
+
+        `called_names`: the tools the stored completion really called, for templates that name them in a result.
+        """
         calls = []
         for index, message in enumerate(appended):
             if message.role != "tool":
                 break
+            if called_names:
+                name = called_names[min(index, len(called_names) - 1)]
+            else:
+                name = message.name or "tool"
             calls.append(
                 {
                     "id": message.tool_call_id or f"call_{index}",
                     "type": "function",
-                    "function": {"name": message.name or "tool", "arguments": {}},
+                    "function": {"name": name, "arguments": {}},
                 }
             )
         assistant: dict[str, Any] = {"role": "assistant", "content": "" if calls else "OK."}
@@ -264,6 +298,41 @@ class TokenEngine:
             raise ValueError("the chat template writes nothing after an assistant turn; cannot find its end")
         return tail
 
+    def _end_of_turn_tails(self) -> list[list[int]]:
+        """Every way the template ends an assistant turn, each from the stop id the model emits there.
+
+        Besides the tail after assistant text: the tail after a tool-call turn (gpt-oss ends it with `<|call|>`
+        where a final answer ends with `<|return|>`), and the family's close for a cut-off message, which
+        a completion may also have emitted itself.
+        """
+        tails = [list(self.end_of_turn_ids)]
+        history = [
+            {"role": "system", "content": "You are a probe."},
+            {"role": "user", "content": "Look up alpha."},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "callProbe",
+                        "type": "function",
+                        "function": {"name": "probe_lookup", "arguments": {"key": "alpha"}},
+                    }
+                ],
+            },
+        ]
+        try:
+            ids = self.encode(self.render(history, [PROBE_TOOL], add_generation_prompt=False, kwargs=self.pinned_kwargs))
+        except TokenizationError:
+            ids = []  # a template without tool calls; the probe reports it if tool appends are configured
+        stops = set(self.stop_ids)
+        at = max((i for i, token in enumerate(ids) if token in stops), default=-1)
+        if at >= 0 and ids[at:] not in tails:
+            tails.append(ids[at:])
+        if self.unterminated_ids not in tails:
+            tails.append(list(self.unterminated_ids))
+        return tails
+
     def _tokenizer_sha256(self) -> str:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
@@ -273,55 +342,72 @@ class TokenEngine:
 
     def append_only_problems(self) -> list[str]:
         """Probe each configured role: is `render(history + appended)` an extension of `render(history)`,
-        and does the synthetic context produce exactly the appended text? Empty list: append-only."""
-        history = [
+        and does the synthetic context produce exactly the appended text? Empty list: append-only.
+
+        Two histories: one ending in a tool call, one ending in a final answer; both carry reasoning, since
+        templates that drop earlier reasoning (or rewrite a final answer's stop token) do it once a turn is
+        no longer the last."""
+        tool_turn = [
             ChatMessage(role="system", content="You are a probe."),
             ChatMessage(role="user", content="Look up alpha."),
             ChatMessage(
                 role="assistant",
                 content="",
                 reasoning_content="I should look it up.",
-                tool_calls=[
-                    {"id": "call_probe", "function": {"name": "probe_lookup", "arguments": '{"key": "alpha"}'}}
-                ],
+                tool_calls=[{"id": "callProbe", "function": {"name": "probe_lookup", "arguments": '{"key": "alpha"}'}}],
             ),
         ]
+        answer_turn = tool_turn[:2] + [
+            ChatMessage(role="assistant", content="alpha is 1.", reasoning_content="I know this one.")
+        ]
         appended_by_role = {
-            "tool": ChatMessage(role="tool", content="alpha=1", tool_call_id="call_probe", name="probe_lookup"),
+            # No `name`: the OpenAI wire format does not carry one on tool messages.
+            "tool": ChatMessage(role="tool", content="alpha=1", tool_call_id="callProbe"),
             "user": ChatMessage(role="user", content="And beta?"),
             "system": ChatMessage(role="system", content="Be brief."),
         }
         problems = []
-        tools = [PROBE_TOOL]
         for role in self.append_roles:
-            appended = [appended_by_role[role]]
-            try:
-                before = self.render(
-                    [template_message(m) for m in history],
-                    tools,
-                    add_generation_prompt=False,
-                    kwargs=self.pinned_kwargs,
-                )
-                full = self.render(
-                    [template_message(m) for m in history + appended],
-                    tools,
-                    add_generation_prompt=True,
-                    kwargs=self.pinned_kwargs,
-                )
-                messages_text, generation_text = self._synthetic_suffix(appended, tools, self.pinned_kwargs)
-            except (TokenizationError, BadRequest) as exc:
-                problems.append(f"appending a {role} message: {exc.message}")
-                continue
-            if not full.startswith(before):
-                pairs = enumerate(zip(before, full, strict=False))
-                at = next((i for i, (a, b) in pairs if a != b), min(len(before), len(full)))
-                problems.append(
-                    f"appending a {role} message rewrites earlier text at character {at}: "
-                    f"{before[at : at + 40]!r} becomes {full[at : at + 40]!r}"
-                )
-            elif full[len(before) :] != messages_text + generation_text:
-                problems.append(f"appending a {role} message renders differently in a synthetic context")
+            histories = [("a tool call", tool_turn)] + ([("a final answer", answer_turn)] if role != "tool" else [])
+            for label, history in histories:
+                problem = self._append_problem(history, appended_by_role[role])
+                if problem:
+                    problems.append(f"appending a {role} message after {label}{problem}")
         return problems
+
+    def _append_problem(self, history: list[ChatMessage], message: ChatMessage) -> str | None:
+        tools = [PROBE_TOOL]
+        rendered = [template_message(m) for m in history]
+        try:
+            before = self.render(rendered, tools, add_generation_prompt=False, kwargs=self.pinned_kwargs)
+            prompt = self.render(rendered[:-1], tools, add_generation_prompt=True, kwargs=self.pinned_kwargs)
+        except TokenizationError as exc:
+            return f": {exc.message}"
+        try:
+            full = self.render(
+                rendered + [template_message(message)], tools, add_generation_prompt=True, kwargs=self.pinned_kwargs
+            )
+        except TokenizationError as exc:
+            if message.role != "tool" and rendered[-1].get("tool_calls"):
+                return None  # the template forbids a tool call left unanswered (Mistral): no request can do this
+            return f": {exc.message}"
+        if not full.startswith(before):
+            pairs = enumerate(zip(before, full, strict=False))
+            at = next((i for i, (a, b) in pairs if a != b), min(len(before), len(full)))
+            return f" rewrites earlier text at character {at}: {before[at : at + 40]!r} becomes {full[at : at + 40]!r}"
+        completion = self.encode(before[len(prompt) :]) if before.startswith(prompt) else []
+        try:
+            messages_text, generation_text = self._synthetic_suffix(
+                [message], tools, self.pinned_kwargs, self.called_tool_names(completion)
+            )
+        except (TokenizationError, BadRequest) as exc:
+            return f": {exc.message}"
+        if full[len(before) :] != messages_text + generation_text:
+            return (
+                f" renders differently in a synthetic context: {full[len(before) :][:60]!r} in the real history, "
+                f"{(messages_text + generation_text)[:60]!r} in the synthetic one"
+            )
+        return None
 
     def check_append_only(self) -> None:
         problems = self.append_only_problems()
