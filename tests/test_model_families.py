@@ -290,3 +290,246 @@ def test_completions_end_on_the_stop_id_the_family_emits() -> None:
             else:
                 last = stored[-1]
             assert last == ids_of(engine, end)[0], (family, turn)
+
+
+def test_boundary_rules() -> None:
+    deepseek, gpt_oss, mistral = (engine_for(f) for f in FAMILY_NAMES)
+    (eos,) = ids_of(deepseek, "<｜end▁of▁sentence｜>")
+    assert deepseek.boundary_ids([5, eos]) == []
+    assert deepseek.boundary_ids([5, 6]) == [eos]  # cut off: closed, never glued onto the next message
+    ret, call_, end = ids_of(gpt_oss, "<|return|>", "<|call|>", "<|end|>")
+    assert gpt_oss.boundary_ids([5, ret]) == []  # <|return|> stays: it is the sampled token, not <|end|>
+    assert gpt_oss.boundary_ids([5, call_]) == []
+    assert gpt_oss.boundary_ids([5, end]) == []
+    assert gpt_oss.boundary_ids([5, 6]) == [end]  # a cut-off harmony message is closed as a message, not a turn
+    (eos,) = ids_of(mistral, "</s>")
+    assert mistral.boundary_ids([5, eos]) == []
+    assert mistral.boundary_ids([5, 6]) == [eos]
+    assert deepseek.end_of_turn_tails == [[ids_of(deepseek, "<｜end▁of▁sentence｜>")[0]]]
+    assert gpt_oss.end_of_turn_tails == [[ret], [call_], [end]]
+    assert mistral.end_of_turn_tails == [[eos]]
+
+
+def test_cut_off_completion_is_closed_before_the_next_message() -> None:
+    engine = engine_for("gpt-oss")
+    first = engine.first_turn([M(role="user", content="Count.")], None, engine.pinned_kwargs).ids
+    cut = engine.encode("<|channel|>analysis<|message|>One, two")
+    piece = engine.continuation(cut, [M(role="user", content="Go on.")], None, engine.pinned_kwargs)
+    assert [s.source for s in piece.segments] == ["boundary", "messages", "generation_prompt"]
+    assert engine.tokenizer.decode(first + cut + piece.ids).endswith(
+        "One, two<|end|><|start|>user<|message|>Go on.<|end|><|start|>assistant"
+    )
+
+
+@pytest.mark.parametrize("family", ["deepseek-r1", "mistral"])
+def test_system_appends_are_refused_at_startup(family: str) -> None:
+    with pytest.raises(ValueError, match=f"family {family} cannot append system messages.*tito_append_roles=tool,user"):
+        TokenEngine(cached_tokenizer(family), FAMILIES[family], tokenizer_name=tokenizer_path(family))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_official_template_is_refused_with_the_family_to_use(family: str) -> None:
+    """`default` runs the tokenizer's own template only if it is append-only; none of these three is."""
+    engine = TokenEngine(
+        cached_tokenizer(family), FAMILIES["default"], append_roles=("tool", "user"), tokenizer_name=family
+    )
+    assert suggest_family(engine.template) == family
+    with pytest.raises(ValueError, match=f"is not append-only: .*use tito_model_family={family}$"):
+        engine.check_append_only()
+    engine_for(family).check_append_only()
+
+
+def test_probe_names_what_the_official_templates_rewrite() -> None:
+    problems = {
+        family: " | ".join(
+            TokenEngine(
+                cached_tokenizer(family), FAMILIES["default"], append_roles=("tool", "user"), tokenizer_name=family
+            ).append_only_problems()
+        )
+        for family in FAMILY_NAMES
+    }
+    assert "TypeError" in problems["deepseek-r1"]  # object arguments: it concatenates them as strings
+    # gpt-oss rewrites a final answer (analysis dropped, <|return|> to <|end|>) and names a result's tool from
+    # history the wire format does not carry.
+    assert "after a final answer rewrites earlier text" in problems["gpt-oss"]
+    assert "<|start|>functions.tool to=assistant" in problems["gpt-oss"]
+    assert "AVAILABLE_TOOLS] [" in problems["mistral"]  # the tools block moves to the last user message
+
+
+def test_reasoning_effort_shapes_only_the_first_turn() -> None:
+    """gpt-oss writes reasoning_effort into the system message, which a continuation never re-renders."""
+    engine = engine_for("gpt-oss")
+    medium = engine.first_turn([M(role="user", content="Hi")], None, engine.effective_kwargs({})).ids
+    high = engine.first_turn([M(role="user", content="Hi")], None, engine.effective_kwargs({"reasoning_effort": "high"}))
+    assert "Reasoning: high" in engine.tokenizer.decode(high.ids) and high.ids != medium
+    completion = engine.encode("<|channel|>final<|message|>Hello!<|return|>")
+    appended = [M(role="user", content="Again?")]
+    follow = [
+        engine.continuation(completion, appended, None, engine.effective_kwargs(kw)).ids
+        for kw in ({}, {"reasoning_effort": "high"})
+    ]
+    assert follow[0] == follow[1]
+
+
+def test_pinned_date_and_its_override() -> None:
+    engine = engine_for("gpt-oss")
+    assert engine.pinned_kwargs == {"current_date": GPT_OSS_PINNED_DATE}
+    text = engine.tokenizer.decode(engine.first_turn([M(role="user", content="Hi")], None, engine.pinned_kwargs).ids)
+    assert f"Current date: {GPT_OSS_PINNED_DATE}\n" in text
+    other = engine.first_turn([M(role="user", content="Hi")], None, engine.effective_kwargs({"current_date": "2030-01-02"}))
+    assert "Current date: 2030-01-02\n" in engine.tokenizer.decode(other.ids)
+
+
+def test_template_errors_stay_tokenization_errors() -> None:
+    engine = engine_for("mistral")
+    with pytest.raises(TokenizationError, match="Tool call IDs should be alphanumeric strings with length 9"):
+        engine.continuation([2], [M(role="tool", tool_call_id="call_1", content="x")], None, {})
+
+
+# -- goldens and drift cases -----------------------------------------------------------------------------------
+
+
+def golden(family: str, name: str = "3turn_tool_call") -> dict:
+    for line in (SHARED / "tokenizers" / "render_examples.jsonl").read_text("utf-8").splitlines():
+        example = json.loads(line)
+        if example["family"] == family and example["name"] == name:
+            return example
+    raise LookupError(family)
+
+
+def test_deepseek_golden_render() -> None:
+    """On a conversation the official template renders right, ours renders the same ids."""
+    example = golden("deepseek-r1")
+    engine = engine_for("deepseek-r1")
+    messages = [M(**m) for m in example["messages"]]
+    assert engine.first_turn(messages, example["tools"], {}).ids == example["ids"]
+
+
+@pytest.mark.parametrize("name", ["3turn_tool_call", "3turn_tool_call_reasoning_high"])
+def test_gpt_oss_golden_render(name: str) -> None:
+    """Ours is the official render (date pinned to the golden's) with harmony's own spelling of tool traffic
+    (<|constrain|>json, the result verbatim) and the final answer ending with the <|return|> the model
+    stopped on, where the official template writes <|end|>."""
+    example = golden("gpt-oss", name)
+    engine = engine_for("gpt-oss")
+    messages = [M(**m) for m in example["messages"]]
+    ours = engine.first_turn(messages, example["tools"], engine.effective_kwargs(example["chat_template_kwargs"])).ids
+    harmony = (
+        example["text"]
+        .replace("<|channel|>commentary json<|message|>", "<|channel|>commentary <|constrain|>json<|message|>")
+        .replace('"{\\"temp_c\\": 21, \\"sky\\": \\"clear\\"}"', '{"temp_c": 21, "sky": "clear"}')
+        .replace("clear in Paris.<|end|>", "clear in Paris.<|return|>")
+    )
+    assert harmony.count("<|constrain|>") == 1 and harmony.count("<|return|>") == 1 and '\\"' not in harmony
+    assert ours == engine.encode(harmony)
+    assert ours != example["ids"]
+
+
+def test_mistral_golden_render() -> None:
+    """A first turn renders as the official template does; later the system message and tools stay at the first
+    user message, where the official template moves them to the last one."""
+    example = golden("mistral")
+    engine = engine_for("mistral")
+    messages = [M(**m) for m in example["messages"]]
+    tokenizer = engine.tokenizer
+    first_turn = [template_message(m) for m in messages[:2]]
+    official = tokenizer.apply_chat_template(first_turn, tools=example["tools"], tokenize=False)
+    assert engine.first_turn(messages[:2], example["tools"], {}).ids == engine.encode(official)
+    text = example["text"]
+    tools_block = text[text.index("[AVAILABLE_TOOLS]") : text.index("[/AVAILABLE_TOOLS]") + len("[/AVAILABLE_TOOLS]")]
+    moved = text.replace(tools_block, "").replace("You are a concise assistant.\n\n", "")
+    moved = moved.replace("<s>[INST] ", "<s>" + tools_block + "[INST] You are a concise assistant.\n\n", 1)
+    ours = engine.first_turn(messages, example["tools"], {}).ids
+    assert ours != example["ids"] and ours == engine.encode(moved)
+
+
+def drift_cases(family: str) -> list[dict]:
+    path = SHARED / "drift_cases" / f"{family}.jsonl"
+    return [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_drift_cases_survive_into_the_next_prompt(family: str) -> None:
+    """Each case's ids (which re-tokenizing or re-rendering changes) reach the next prompt unchanged, whether or
+    not the model closed its turn."""
+    engine = engine_for(family)
+    kwargs = engine.pinned_kwargs
+    closers = {tail[-1] for tail in engine.end_of_turn_tails}
+    cases = drift_cases(family)
+    assert len(cases) >= 15
+    first = engine.first_turn([M(role="user", content="Go on.")], None, kwargs).ids
+    for case in cases:
+        ids = case["ids"]
+        assert ids != case["canonical_ids"]
+        for completion in (ids, ids if ids[-1] in closers else ids + [engine.stop_ids[-1]]):
+            follow = engine.continuation(completion, [M(role="user", content="Next?")], None, kwargs)
+            prompt = first + completion + follow.ids
+            assert prompt[len(first) : len(first) + len(ids)] == ids, case["kind"]
+            assert follow.ids[: len(engine.boundary_ids(completion))] == engine.boundary_ids(completion)
+        if "messages" not in case:  # ...whereas the re-tokenizing pipeline would have changed them
+            # (the other-tokenizer kinds hold ids this tokenizer does not produce even by re-encoding)
+            other_tokenizer = case["kind"] in ("hf_vs_mistral_common_text", "library_version_drift")
+            assert engine.encode(engine.tokenizer.decode(ids)) != ids or other_tokenizer, case["kind"]
+
+
+def case_messages(case: dict) -> list[ChatMessage]:
+    messages = []
+    for message in case["messages"]:
+        message = dict(message)
+        if "thinking" in message:  # harmony's name for the analysis text
+            message["reasoning_content"] = message.pop("thinking")
+        messages.append(M(**message))
+    return messages
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_template_drift_cases_are_what_the_engine_builds(family: str) -> None:
+    """Template cases hold the ids a policy saw over a conversation (prompt, sampled completion, next turn). The
+    engine builds exactly those ids: its first turn is their prefix, and the sampled completion followed by
+    its continuation is the rest, wherever the case's kwargs are the ones the engine renders with."""
+    engine = engine_for(family)
+    checked = 0
+    for case in drift_cases(family):
+        if "messages" not in case or case["kind"] == "template_system_merge":
+            continue
+        messages = case_messages(case)
+        kwargs = engine.effective_kwargs({"reasoning_effort": "high"} if "reasoning_effort" in case["kind"] else {})
+        tools = [TOOLS[0]] if any(m.tool_calls for m in messages) else None
+        first_assistant = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
+        ids = case["ids"]
+        prompt = engine.first_turn(messages[:first_assistant], tools, kwargs).ids
+        assert ids[: len(prompt)] == prompt, case["kind"]
+        rest, appended = ids[len(prompt) :], messages[first_assistant + 1 :]
+        if first_assistant == len(messages):
+            assert rest == [], case["kind"]
+        elif not appended:
+            assert rest[-1] in engine.stop_ids, case["kind"]
+        else:
+            splits = [
+                i + 1
+                for i, token in enumerate(rest)
+                if token in engine.stop_ids
+                and rest[: i + 1] + engine.continuation(rest[: i + 1], appended, tools, kwargs).ids == rest
+            ]
+            assert len(splits) == 1, case["kind"]
+        checked += 1
+    assert checked == {"deepseek-r1": 2, "gpt-oss": 5, "mistral": 1}[family]
+
+
+def test_multiturn_drift_cases_rerender_exactly_with_our_templates() -> None:
+    """Where the official template drops the sampled reasoning (and gpt-oss rewrites <|return|>), the fixed
+    template re-renders the conversation to exactly the ids the policy saw."""
+    for family in ("deepseek-r1", "gpt-oss"):
+        engine = engine_for(family)
+        (case,) = [c for c in drift_cases(family) if c["kind"] == "template_rerender_multiturn"]
+        rendered = [template_message(m) for m in case_messages(case)]
+        text = engine.render(rendered, None, add_generation_prompt=True, kwargs=engine.pinned_kwargs)
+        assert engine.encode(text) == case["ids"], family
+        assert engine.encode(text) != case["canonical_ids"], family
+
+
+def test_deepseek_system_merge_case() -> None:
+    """Several leading system messages are joined as the official template joins them."""
+    engine = engine_for("deepseek-r1")
+    (case,) = [c for c in drift_cases("deepseek-r1") if c["kind"] == "template_system_merge"]
+    assert engine.first_turn(case_messages(case), None, {}).ids == case["ids"]
