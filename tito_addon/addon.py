@@ -26,7 +26,7 @@ from tito_addon.model_families import FAMILIES
 from tito_addon.record_models import TurnRecord
 from tito_addon.record_reader import read_session_file
 from tito_addon.session_tree import SessionStore
-from tito_addon.tito_errors import TitoError
+from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.tito_settings import TitoSettings
 from tito_addon.token_engine import TokenEngine, load_tokenizer
 from tito_addon.trajectory_recorder import TrajectoryRecorder
@@ -234,9 +234,11 @@ class TitoAddon:
                 flow.request.path = strip_session_prefix(path)
             return
         try:
-            if await self._go_live(flow):
+            reply = self._refuse_ambiguous_session(flow)
+            if reply is None and await self._go_live(flow):
                 return
-            reply = await self._serve_cancellable(flow)
+            if reply is None:
+                reply = await self._serve_cancellable(flow)
         except Exception:
             logger.exception("tito: unexpected failure")
             reply = json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
@@ -247,11 +249,21 @@ class TitoAddon:
         if reply.metadata:
             flow.metadata["tito"] = reply.metadata
 
+    def _refuse_ambiguous_session(self, flow: http.HTTPFlow) -> HttpReply | None:
+        """Two session headers would be joined into one id ("a, b") that names neither: refuse instead of guessing."""
+        if self.settings is None or len(flow.request.headers.get_all(self.settings.session_header)) < 2:
+            return None
+        message = f"the {self.settings.session_header} header appears more than once; nothing was forwarded"
+        return json_reply(400, BadRequest(message).body())
+
     async def _go_live(self, flow: http.HTTPFlow) -> bool:
         """Hand a streaming turn to the live stream server, if the backend can stream exact ids."""
         if self.service is None:
             return False
-        body = flow.request.content or b""
+        try:
+            body = flow.request.content or b""
+        except ValueError:
+            return False  # an undecodable content-encoding: the ordinary path answers it 400
         if not STREAM_TRUE.search(body):
             return False  # the hot path: no second parse of a body that does not ask for a stream
         try:

@@ -2,22 +2,33 @@
 
 Inputs are validated strictly where the token engine depends on a field (roles, content, tool calls) and
 leniently elsewhere: unknown request fields are kept and forwarded, because agents and backends use
-many extensions (sglang sampling fields, `chat_template_kwargs`, ...).
+many extensions (sglang sampling fields, `chat_template_kwargs`, ...). The typed fields are strict (no
+`"stream": "yes"`, no `"n": "1"`) and the whole body is bounded (nesting, non-finite numbers, lone surrogates),
+so what reaches a backend is always a request the backend's own parser would accept as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import unicodedata
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 Role = Literal["system", "user", "assistant", "tool"]
 
 MAX_SESSION_ID = 200
+#: JSON nesting a request may use; real ones (messages -> tool call -> arguments, tool schemas) stay far below.
+MAX_JSON_DEPTH = 100
+Number = StrictInt | StrictFloat
+TokenCount = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
 _ID_SEGMENTS = re.compile(r"[/\\]")
+# Controls (C0, DEL, C1 incl. NEL), surrogates (undecodable header bytes) and the Unicode line/paragraph separators:
+# anything that could split a log line or smuggle a header.
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
 
 
 def session_id_problem(value: str) -> str | None:
@@ -31,8 +42,8 @@ def session_id_problem(value: str) -> str | None:
         return "it is empty"
     if len(value) > MAX_SESSION_ID:
         return f"it is longer than {MAX_SESSION_ID} characters"
-    if any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
-        return "it contains a control character"
+    if any(unicodedata.category(c) in _REFUSED_CATEGORIES for c in value):
+        return "it contains a control character, a line separator or bytes that are not UTF-8"
     if value[0] in "/\\":
         return "it starts with a path separator"
     if ".." in _ID_SEGMENTS.split(value):
@@ -102,7 +113,40 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool | None = None
+    include_usage: StrictBool | None = None
+
+
+def json_value_problem(value: Any) -> str | None:
+    """Why a parsed JSON body cannot be forwarded, or None: too deep, a non-finite number (`1e400` parses to
+    inf), or a string with a lone surrogate (`"\\ud800"`), which no UTF-8 encoder will write."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            if depth > MAX_JSON_DEPTH:
+                return f"it is nested deeper than {MAX_JSON_DEPTH} levels"
+            for key, child in item.items():
+                if isinstance(key, str) and not key.isascii() and _has_surrogate(key):
+                    return "a key is not valid Unicode (lone surrogate)"
+                stack.append((child, depth + 1))
+        elif isinstance(item, list):
+            if depth > MAX_JSON_DEPTH:
+                return f"it is nested deeper than {MAX_JSON_DEPTH} levels"
+            stack.extend((child, depth + 1) for child in item)
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return "a number is not finite"
+        elif isinstance(item, str) and not item.isascii() and _has_surrogate(item):
+            return "a string is not valid Unicode (lone surrogate)"
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class ChatRequest(BaseModel):
@@ -112,13 +156,27 @@ class ChatRequest(BaseModel):
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    n: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    n: StrictInt | None = None
+    # Typed so that a wrong type is our 400, not a request the backend has to refuse; values pass through as sent.
+    temperature: Number | None = None
+    top_p: Number | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    seed: Seed | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_json(cls, value: Any) -> Any:
+        problem = json_value_problem(value)
+        if problem is not None:
+            raise ValueError(f"request body cannot be forwarded: {problem}")
+        return value
 
     @field_validator("n")
     @classmethod
