@@ -32,6 +32,16 @@ def engine_for(family: str) -> TokenEngine:
     return _ENGINES[family]
 
 
+def default_engine(family: str) -> TokenEngine:
+    """The tokenizer's own (official) template, as `tito_model_family=default` runs it."""
+    return TokenEngine(
+        cached_tokenizer(family),
+        FAMILIES["default"],
+        append_roles=("tool", "user"),
+        tokenizer_name=tokenizer_path(family),
+    )
+
+
 def M(**kw) -> ChatMessage:
     return ChatMessage.model_validate(kw)
 
@@ -330,9 +340,7 @@ def test_system_appends_are_refused_at_startup(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_official_template_is_refused_with_the_family_to_use(family: str) -> None:
     """`default` runs the tokenizer's own template only if it is append-only; none of these three is."""
-    engine = TokenEngine(
-        cached_tokenizer(family), FAMILIES["default"], append_roles=("tool", "user"), tokenizer_name=family
-    )
+    engine = default_engine(family)
     assert suggest_family(engine.template) == family
     with pytest.raises(ValueError, match=f"is not append-only: .*use tito_model_family={family}$"):
         engine.check_append_only()
@@ -342,9 +350,7 @@ def test_official_template_is_refused_with_the_family_to_use(family: str) -> Non
 def test_probe_names_what_the_official_templates_rewrite() -> None:
     problems = {
         family: " | ".join(
-            TokenEngine(
-                cached_tokenizer(family), FAMILIES["default"], append_roles=("tool", "user"), tokenizer_name=family
-            ).append_only_problems()
+            default_engine(family).append_only_problems()
         )
         for family in FAMILY_NAMES
     }
@@ -360,7 +366,8 @@ def test_reasoning_effort_shapes_only_the_first_turn() -> None:
     """gpt-oss writes reasoning_effort into the system message, which a continuation never re-renders."""
     engine = engine_for("gpt-oss")
     medium = engine.first_turn([M(role="user", content="Hi")], None, engine.effective_kwargs({})).ids
-    high = engine.first_turn([M(role="user", content="Hi")], None, engine.effective_kwargs({"reasoning_effort": "high"}))
+    hi = [M(role="user", content="Hi")]
+    high = engine.first_turn(hi, None, engine.effective_kwargs({"reasoning_effort": "high"}))
     assert "Reasoning: high" in engine.tokenizer.decode(high.ids) and high.ids != medium
     completion = engine.encode("<|channel|>final<|message|>Hello!<|return|>")
     appended = [M(role="user", content="Again?")]
@@ -376,8 +383,16 @@ def test_pinned_date_and_its_override() -> None:
     assert engine.pinned_kwargs == {"current_date": GPT_OSS_PINNED_DATE}
     text = engine.tokenizer.decode(engine.first_turn([M(role="user", content="Hi")], None, engine.pinned_kwargs).ids)
     assert f"Current date: {GPT_OSS_PINNED_DATE}\n" in text
-    other = engine.first_turn([M(role="user", content="Hi")], None, engine.effective_kwargs({"current_date": "2030-01-02"}))
+    hi = [M(role="user", content="Hi")]
+    other = engine.first_turn(hi, None, engine.effective_kwargs({"current_date": "2030-01-02"}))
     assert "Current date: 2030-01-02\n" in engine.tokenizer.decode(other.ids)
+
+
+def test_gpt_oss_stops_without_a_generation_config() -> None:
+    """A hub name (no local generation_config.json) still stops on <|call|>, so a tool call is never closed twice."""
+    engine = TokenEngine(cached_tokenizer("gpt-oss"), FAMILIES["gpt-oss"], tokenizer_name="openai/gpt-oss-20b")
+    ret, call_ = ids_of(engine, "<|return|>", "<|call|>")
+    assert {ret, call_} <= set(engine.stop_ids) and engine.boundary_ids([5, call_]) == []
 
 
 def test_template_errors_stay_tokenization_errors() -> None:

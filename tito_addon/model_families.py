@@ -41,6 +41,8 @@ class ModelFamily:
     # templates that name the called tool in a tool result's header (harmony); a synthetic context then names them
     # as the real history does, which the OpenAI wire format (no `name` on tool messages) cannot tell.
     tool_call_name_pattern: str | None = None
+    # Tokens the model stops on besides the tokenizer's eos (found without a generation_config.json).
+    stop_tokens: tuple[str, ...] = ()
 
     def chat_template(self) -> str | None:
         if self.template_file is None:
@@ -88,6 +90,7 @@ FAMILIES: dict[str, ModelFamily] = {
         pinned_kwargs={"current_date": GPT_OSS_PINNED_DATE},
         unterminated_close="<|end|>",
         tool_call_name_pattern=r"to=functions\.([^\s<]+)",
+        stop_tokens=("<|return|>", "<|call|>"),
     ),
     "mistral": ModelFamily(
         name="mistral",

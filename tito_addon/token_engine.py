@@ -281,6 +281,11 @@ class TokenEngine:
         ids = set(_generation_eos_ids(self.tokenizer_name))
         if isinstance(self.tokenizer.eos_token_id, int):
             ids.add(self.tokenizer.eos_token_id)
+        # A hub name has no local generation_config.json: the family's own stop tokens still count.
+        for token in self.family.stop_tokens:
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
+                ids.add(token_id)
         return sorted(ids)
 
     def _end_of_turn_ids(self) -> list[int]:
@@ -322,7 +327,8 @@ class TokenEngine:
             },
         ]
         try:
-            ids = self.encode(self.render(history, [PROBE_TOOL], add_generation_prompt=False, kwargs=self.pinned_kwargs))
+            text = self.render(history, [PROBE_TOOL], add_generation_prompt=False, kwargs=self.pinned_kwargs)
+            ids = self.encode(text)
         except TokenizationError:
             ids = []  # a template without tool calls; the probe reports it if tool appends are configured
         stops = set(self.stop_ids)
