@@ -4,6 +4,8 @@ python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py
 python -m tito_addon show RECORD_DIR [--json]  print recorded turns
 python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
 python -m tito_addon demo                      an end-to-end capture against the reference backend
+python -m tito_addon verify-template --tokenizer PATH [--family NAME] [--chat-template-kwargs JSON]
+                                               is a template append-only, and which family to use
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from tito_addon.record_reader import RecordError, iter_session_files
 
-SUBCOMMANDS = ("show", "export", "replay", "redrive", "audit", "reference-backend", "demo")
+SUBCOMMANDS = ("show", "export", "replay", "redrive", "audit", "reference-backend", "demo", "verify-template")
 # Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
 REPLAY_MODE = "reverse:http://127.0.0.1:1"
 
@@ -217,6 +219,47 @@ def audit_command(argv: list[str]) -> int:
     return 0
 
 
+def verify_template_command(argv: list[str]) -> int:
+    from tito_addon.model_families import FAMILIES
+    from tito_addon.template_verifier import render_report, verify
+    from tito_addon.token_engine import load_tokenizer
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon verify-template",
+        description=(
+            "Render multi-turn conversations (system, user, reasoning, parallel tool calls, tool results, later user "
+            "and system turns) incrementally and from scratch; report whether the template is append-only for "
+            "each appended role, where the first divergence is, and which family to use. Exit 0: the family "
+            "(--family, else `default` or the family suggested for the template) passes; 1: it does not."
+        ),
+    )
+    parser.add_argument("tokenizer_arg", nargs="?", metavar="TOKENIZER", help="same as --tokenizer")
+    parser.add_argument("--tokenizer", help="HF tokenizer name or local directory")
+    parser.add_argument("--family", choices=list(FAMILIES), help="default: `default`, then the suggested family")
+    parser.add_argument("--chat-template-kwargs", default="{}", help="JSON object pinned on every render")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--json", action="store_true", help="the verdict as JSON")
+    args = parser.parse_args(argv)
+    name = args.tokenizer or args.tokenizer_arg
+    if not name:
+        parser.error("a tokenizer is required (TOKENIZER or --tokenizer)")
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        parser.error(f"--chat-template-kwargs: {exc}")
+    try:
+        tokenizer = load_tokenizer(name, trust_remote_code=args.trust_remote_code)
+    except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+        print(f"error: cannot load tokenizer {name!r}: {exc}", file=sys.stderr)
+        return 2
+    verdict = verify(tokenizer, name, args.family or "default", kwargs, suggest=args.family is None)
+    print(json.dumps(verdict.to_json(), ensure_ascii=False, indent=1) if args.json else render_report(verdict))
+    usable = verdict.ok or (verdict.suggestion is not None and verdict.suggestion.ok)
+    return 0 if usable else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "show":
@@ -232,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[1]).resolve()}", *rest])
     if argv and argv[0] == "audit":
         return audit_command(argv[1:])
+    if argv and argv[0] == "verify-template":
+        return verify_template_command(argv[1:])
     if argv and argv[0] == "redrive":
         return redrive_command(argv[1:])
     if argv and argv[0] == "export":
