@@ -122,7 +122,9 @@ def test_twenty_turn_tool_session_is_token_exact(proxy, fresh, record_dir) -> No
         previous = prompt + completion
         body = received[turn]
         assert body["logprobs"] is True and body["return_meta_info"] is True and body["stream"] is False
-        assert body["return_prompt_token_ids"] is True and "stream_options" not in body
+        assert "stream_options" not in body
+        if turn:  # the echo proved this backend honours input_ids on its first turn (tests/test_prompt_echo.py)
+            assert "return_prompt_token_ids" not in body
         assert body["tools"] == TOOLS
         if turn:  # a line holds only what the turn added, never the whole prompt again
             assert len(record.prompt_added_ids) < 80 < record.prompt_len

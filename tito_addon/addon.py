@@ -23,6 +23,7 @@ from tito_addon.backend_kinds import make_backend
 from tito_addon.backend_routes import BackendRoutes, backend_url_from_env
 from tito_addon.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.model_families import FAMILIES
+from tito_addon.prompt_ids import EncodedPrefixes
 from tito_addon.record_models import TurnRecord
 from tito_addon.record_reader import read_session_file
 from tito_addon.session_tree import SessionStore
@@ -52,6 +53,8 @@ class TitoAddon:
         self.engine: TokenEngine | None = None
         self.store = SessionStore()
         self.client = UpstreamClient()
+        # Kept across reconfiguration like the store: the cached text is ids, valid whatever the engine.
+        self.prefixes = EncodedPrefixes()
         self.service: TurnService | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.live = LiveStreamServer()
@@ -93,6 +96,26 @@ class TitoAddon:
         loader.add_option("tito_trust_remote_code", bool, False, "Allow the tokenizer to run code from its repository.")
         loader.add_option("tito_upstream_timeout", int, 600, "Seconds to wait for the backend before answering 504.")
         loader.add_option(
+            "tito_verify_prompt_echo",
+            bool,
+            False,
+            "sglang: have the backend echo the whole prompt on every turn and compare it id for id (by default the "
+            "echo is checked on the first turn per backend and the prompt length on every turn).",
+        )
+        loader.add_option(
+            "tito_record_message_text",
+            bool,
+            True,
+            "Record the text of the messages each turn appends (needed by the drift audit). Off: only their digests "
+            "(enough to resume and replay), for agents whose tool results are large.",
+        )
+        loader.add_option(
+            "tito_prefix_cache_mb",
+            int,
+            256,
+            "Memory for the ready-encoded ids of recent turns, so a long prompt is not re-encoded every turn.",
+        )
+        loader.add_option(
             "tito_session_idle_timeout", int, 1800, "Close a session unused for this many seconds (0: never)."
         )
         loader.add_option(
@@ -129,6 +152,9 @@ class TitoAddon:
                 session_header=opts.tito_session_header,
                 trust_remote_code=opts.tito_trust_remote_code,
                 upstream_timeout=opts.tito_upstream_timeout,
+                verify_prompt_echo=opts.tito_verify_prompt_echo,
+                prefix_cache_mb=opts.tito_prefix_cache_mb,
+                record_message_text=opts.tito_record_message_text,
                 session_idle_timeout=opts.tito_session_idle_timeout,
                 max_sessions=opts.tito_max_sessions,
             )
@@ -143,14 +169,17 @@ class TitoAddon:
         self.client.timeout_s = settings.upstream_timeout
         self.store.idle_timeout = settings.session_idle_timeout
         self.store.max_sessions = settings.max_sessions
+        self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
         self.settings = settings
         self.engine = engine
         self.service = TurnService(
             engine,
-            make_backend(settings.backend_kind, self.client),
+            make_backend(settings.backend_kind, self.client, verify_echo=settings.verify_prompt_echo),
             self.store,
             TrajectoryRecorder(settings.record_dir),
             session_header=settings.session_header,
+            prefixes=self.prefixes,
+            record_message_text=settings.record_message_text,
         )
         logger.info(
             "tito: %s backend, tokenizer %s, family %s, recording to %s",

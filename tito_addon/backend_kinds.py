@@ -10,8 +10,9 @@ from tito_addon.vllm_backend import VllmBackend
 BACKENDS: dict[str, type[SglangBackend] | type[VllmBackend]] = {"sglang": SglangBackend, "vllm": VllmBackend}
 
 
-def make_backend(kind: str, client: UpstreamClient) -> Backend:
-    try:
-        return BACKENDS[kind](client)
-    except KeyError:
-        raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}") from None
+def make_backend(kind: str, client: UpstreamClient, *, verify_echo: bool = False) -> Backend:
+    if kind == "sglang":
+        return SglangBackend(client, verify_echo=verify_echo)
+    if kind == "vllm":
+        return VllmBackend(client)
+    raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tito_addon.prompt_ids import PromptIds
 from tito_addon.tito_errors import UpstreamMalformed
 from tito_addon.wire_models import AssistantMessage, ChatRequest
 
@@ -21,9 +22,13 @@ class BackendTurn:
     base_url: str  # scheme://host:port[/prefix] of the backend
     chat_path: str  # the agent's chat path, e.g. /v1/chat/completions
     chat_body: dict[str, Any]  # the agent's request, with the effective chat_template_kwargs
-    prompt_ids: list[int]
+    prompt: PromptIds
     headers: dict[str, str]  # headers to forward (authorization included; never recorded)
     stop_texts: dict[int, str] = field(default_factory=dict)  # the model's stop ids and their literal text
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
 
 
 @dataclass
@@ -117,7 +122,7 @@ def stream_end(
     base = base or {"object": "chat.completion.chunk"}
     tail = [{**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}]
     if (turn.chat_body.get("stream_options") or {}).get("include_usage"):
-        prompt, completion = len(turn.prompt_ids), len(completion_ids)
+        prompt, completion = len(turn.prompt), len(completion_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         tail.append({**base, "choices": [], "usage": usage})
     choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}

@@ -26,7 +26,7 @@ from typing import Any
 
 from tito_addon.message_keys import template_message
 from tito_addon.record_models import TurnRecord
-from tito_addon.record_reader import SessionFile
+from tito_addon.record_reader import RecordError, SessionFile
 from tito_addon.wire_models import ChatMessage
 
 CLASSES = (
@@ -127,6 +127,11 @@ def audit_session(session_file: SessionFile, tokenizer: Any) -> list[BranchAudit
         recorded = prompt + completion
         messages = []
         for turn in path:
+            if turn.appended_messages is None:
+                raise RecordError(
+                    f"session {turn.session_id} turn {turn.turn_id} was recorded without message text "
+                    "(tito_record_message_text=false): the audit re-renders messages, so it cannot run on it"
+                )
             messages += [ChatMessage.model_validate(m) for m in turn.appended_messages]
             messages.append(ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"}))
         tools = next((t.tools for t in reversed(path) if t.tools), None)

@@ -7,28 +7,39 @@ and `reasoning_content`/`reasoning` are one key. null, "" and [] are equal; whit
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 from tito_addon.wire_models import ChatMessage, parse_arguments
 
-MessageKey = tuple[Any, ...]
+# A 128-bit digest, not the text: the session tree of every live session holds one key per message, and tool
+# results are often kilobytes; a recording made without message text keeps the keys (as hex) instead.
+MessageKey = bytes
+KEY_BYTES = 16
 
 
 def _canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
+def _field(parts: list[bytes], text: str) -> None:
+    # Length-prefixed, so no choice of texts can make two different messages feed the same bytes.
+    data = text.encode("utf-8", "surrogatepass")
+    parts += (b"%d:" % len(data), data)
+
+
 def message_key(message: ChatMessage) -> MessageKey:
-    """Hashable identity of a message, reasoning excluded (see `reasoning_matches`)."""
-    text = message.text() or None
-    calls: tuple[tuple[str | None, str, str], ...] | None = None
-    if message.tool_calls:
-        calls = tuple(
-            (call.id or None, call.function.name, _canonical_json(parse_arguments(call.function.arguments)))
-            for call in message.tool_calls
-        )
-    return (message.role, text, calls)
+    """Identity of a message, reasoning excluded (see `reasoning_matches`): a digest of its role, text and tool
+    calls (id, name, parsed arguments)."""
+    parts: list[bytes] = []
+    _field(parts, message.role)
+    _field(parts, message.text() or "")
+    for call in message.tool_calls or ():
+        _field(parts, call.id or "")
+        _field(parts, call.function.name)
+        _field(parts, _canonical_json(parse_arguments(call.function.arguments)))
+    return hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
 
 
 def reasoning_matches(stored: str | None, incoming: str | None) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TURN_SCHEMA = "tito.turn.v1"
 CLOSE_SCHEMA = "tito.session_close.v1"
@@ -47,8 +47,11 @@ class TurnRecord(BaseModel):
     # Tools are written when they differ from the parent turn's (hash on every line).
     tools_sha256: str | None
     tools: list[dict[str, Any]] | None = None
-    # Messages the request added after the parent turn's history (the whole request for a first turn).
-    appended_messages: list[dict[str, Any]]
+    # Messages the request added after the parent turn's history (the whole request for a first turn), or, when
+    # recorded without message text (`tito_record_message_text=false`), only their keys as hex digests: enough
+    # to resume and replay the session, not to audit it.
+    appended_messages: list[dict[str, Any]] | None = None
+    appended_keys: list[str] | None = None
     prompt_added_ids: list[int]
     prompt_segments: list[SegmentSpan]
     prompt_len: int
@@ -62,9 +65,26 @@ class TurnRecord(BaseModel):
     backend_version: str | None = None
     tokenizer: TokenizerInfo
 
+    @model_validator(mode="after")
+    def _messages_or_keys(self) -> TurnRecord:
+        if (self.appended_messages is None) == (self.appended_keys is None):
+            raise ValueError("a turn records either appended_messages or appended_keys")
+        return self
+
     def dump_line(self) -> str:
+        line = self.model_dump(by_alias=True)
+        for name, default in OMITTED_AT_DEFAULT.items():
+            if line[name] is default:
+                del line[name]
         # allow_nan=False: a NaN or Infinity must never reach a trainer disguised as JSON.
-        return json.dumps(self.model_dump(by_alias=True), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return json.dumps(line, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+# Optional fields left off a line while they hold their default (reading restores it): ~100 bytes a turn.
+OMITTED_AT_DEFAULT: dict[str, Any] = {
+    "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
+    "render_skew": None, "backend_version": None,
+}  # fmt: skip
 
 
 class SessionCloseRecord(BaseModel):

@@ -109,14 +109,19 @@ def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecor
     nodes: dict[int, TurnNode] = {}
     for turn in turns:
         parent = nodes[turn.parent_turn_id] if turn.parent_turn_id is not None else None
-        segment = [ChatMessage.model_validate(m) for m in turn.appended_messages]
-        segment.append(ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"}))
+        assistant = ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"})
+        if turn.appended_messages is not None:
+            appended = [ChatMessage.model_validate(m) for m in turn.appended_messages]
+            keys = [message_key(m) for m in appended]
+        else:
+            keys = [bytes.fromhex(k) for k in turn.appended_keys or ()]
+        keys.append(message_key(assistant))
         nodes[turn.turn_id] = store.commit(
             session,
             parent,
-            (parent.message_end if parent else 0) + len(segment),
-            tuple(message_key(m) for m in segment),
-            tuple(m.reasoning_text() if m.role == "assistant" else None for m in segment),
+            (parent.message_end if parent else 0) + len(keys),
+            tuple(keys),
+            (None,) * (len(keys) - 1) + (assistant.reasoning_text(),),
             turn.prompt_added_ids,
             turn.completion_ids,
             turn.finish_reason,

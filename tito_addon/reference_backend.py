@@ -84,6 +84,7 @@ FAULT_NAMES: frozenset[str] = frozenset(
         "length_mismatch",
         "empty_message",
         "wrong_prompt_ids",
+        "wrong_prompt_tokens",
         "nan_logprob",
     }
 )
@@ -117,6 +118,7 @@ class ReplicaConfig(BaseModel):
     )
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering a chat request")
     version: str = Field(default=SGLANG_VERSION, description="the sglang version it reports; sglext needs 0.5.20+")
+    report_version: bool = Field(default=True, description="False: the server-info routes answer 404")
     checkpoint_shift: float = Field(
         default=0.0, description="scoring only (/generate): logprobs of a 'newer checkpoint', shifted by this much"
     )
@@ -657,6 +659,8 @@ class ReferenceBackend(ServedApp):
         return _json_response({"model_path": MODEL_ID, "tokenizer_path": self.config.tokenizer, "is_generation": True})
 
     async def _server_info(self, request: web.Request) -> web.Response:
+        if not self.config.report_version:
+            return _json_response(_error_body("Not Found", 404), status=404)
         return _json_response(
             {
                 "version": self.config.version if self.config.honor_input_ids else OLD_SGLANG_VERSION,
@@ -1008,6 +1012,9 @@ class ReferenceBackend(ServedApp):
             ids = list(gen.prompt_ids)
             ids[-1] = ids[-1] + 1 if ids[-1] + 1 < self.tokenizer.size else ids[-1] - 1
             choice["prompt_token_ids"] = ids
+        elif fault == "wrong_prompt_tokens":  # counted another prompt than it was sent, and did not echo it
+            choice["meta_info"]["prompt_tokens"] += 1
+            out["usage"]["prompt_tokens"] += 1
         elif fault in ("length_mismatch", "nan_logprob"):
             meta = choice.get("meta_info")
             if not isinstance(meta, dict) or "output_token_logprobs" not in meta:

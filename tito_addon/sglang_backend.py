@@ -3,7 +3,11 @@
 sglang's chat endpoint skips its own template when `input_ids` is given but still uses `messages`, `tools`
 and `chat_template_kwargs` for its tool and reasoning parsers, so the agent's body goes along unchanged
 apart from the forced fields. Completion ids and logprobs come from `meta_info.output_token_logprobs`.
-Older servers silently ignore `input_ids`; the echoed `prompt_token_ids` prove the server used ours.
+Older servers silently ignore `input_ids`. `input_ids` and the `prompt_token_ids` echo arrived together (0.5.13),
+so the server's version, asked once, says whether it honours our ids; the full echo is then verified on the first
+turn to each backend (and on every turn where the version is unknown, or when asked to), while every turn checks
+the prompt length the server counted. Echoing a 150k-id prompt back on every turn cost more than everything else
+the proxy does for that turn.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from tito_addon.backend_protocol import (
 )
 from tito_addon.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough
-from tito_addon.upstream_client import UpstreamClient
+from tito_addon.upstream_client import UpstreamClient, dumps
 from tito_addon.wire_models import ChatRequest
 
 logger = logging.getLogger(__name__)
 
 STREAM_IDS_VERSION = (0, 5, 20)
+INPUT_IDS_VERSION = (0, 5, 13)
 
 
 def _version_tuple(text: str) -> tuple[int, ...] | None:
@@ -41,9 +46,11 @@ def _version_tuple(text: str) -> tuple[int, ...] | None:
 class SglangBackend:
     kind = "sglang"
 
-    def __init__(self, client: UpstreamClient) -> None:
+    def __init__(self, client: UpstreamClient, *, verify_echo: bool = False) -> None:
         self.client = client
+        self.verify_echo = verify_echo
         self._versions: dict[str, tuple[int, ...] | None] = {}
+        self._echo_verified: set[str] = set()
 
     def check_request(self, request: ChatRequest) -> None:
         """sglang serves any valid chat request."""
@@ -127,29 +134,51 @@ class SglangBackend:
         yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs)
 
     @staticmethod
-    def upstream_body(turn: BackendTurn) -> dict[str, Any]:
-        body = {k: v for k, v in turn.chat_body.items() if k != "stream_options"}
-        body.update(
-            input_ids=turn.prompt_ids,
-            logprobs=True,
-            return_meta_info=True,
-            return_prompt_token_ids=True,
-            stream=False,
-        )
+    def upstream_body(turn: BackendTurn, echo: bool = True) -> dict[str, Any]:
+        """The agent's body with our fields forced; `input_ids` is spliced in by `upstream_payload`."""
+        body = {k: v for k, v in turn.chat_body.items() if k not in ("stream_options", "input_ids")}
+        body.update(logprobs=True, return_meta_info=True, stream=False)
+        if echo:
+            body["return_prompt_token_ids"] = True
         return body
+
+    @classmethod
+    def upstream_payload(cls, turn: BackendTurn, echo: bool = True) -> bytes:
+        """The request bytes: the prompt's ids go in as ready JSON text instead of being re-encoded."""
+        head = dumps(cls.upstream_body(turn, echo))
+        return head[:-1] + b',"input_ids":[' + turn.prompt.json + b"]}"
+
+    async def must_echo(self, turn: BackendTurn) -> bool:
+        """Whether this turn asks the server to echo its prompt ids (see the module docstring)."""
+        found = await self.version(turn.base_url, turn.headers)
+        if found is not None and found < INPUT_IDS_VERSION:
+            raise UpstreamMalformed(
+                f"backend reports sglang {'.'.join(map(str, found))}, which silently ignores input_ids: "
+                "sglang >= 0.5.13 is required; nothing was sent or recorded"
+            )
+        return (
+            self.verify_echo
+            or found is None
+            or turn.base_url not in self._echo_verified
+            or bool(turn.chat_body.get("return_prompt_token_ids"))
+        )
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult:
         url = turn.base_url + turn.chat_path
-        response = await self.client.post_json(url, self.upstream_body(turn), turn.headers)
+        echo = await self.must_echo(turn)
+        response = await self.client.post_bytes(url, self.upstream_payload(turn, echo), turn.headers)
         if response.status != 200:
             raise UpstreamPassthrough(response.status, response.body, response.content_type)
         try:
             body = response.json()
         except ValueError as exc:
             raise UpstreamMalformed("backend answered 200 with a body that is not JSON") from exc
-        return self.harvest(body, turn)
+        result = self.harvest(body, turn, echo)
+        if echo:
+            self._echo_verified.add(turn.base_url)
+        return result
 
-    def harvest(self, body: Any, turn: BackendTurn) -> BackendResult:
+    def harvest(self, body: Any, turn: BackendTurn, echo: bool = True) -> BackendResult:
         if not isinstance(body, dict):
             raise UpstreamMalformed("backend answered 200 with JSON that is not an object")
         choices = body.get("choices")
@@ -157,12 +186,12 @@ class SglangBackend:
             raise UpstreamMalformed("backend answered 200 without choices")
         choice = choices[0]
         echoed = choice.get("prompt_token_ids", body.get("prompt_token_ids"))
-        if echoed is None:
+        if echoed is None and echo:
             raise UpstreamMalformed(
                 "backend did not echo prompt_token_ids, so it cannot be shown to have generated from our ids: "
                 "sglang >= 0.5.13 is required (older versions silently ignore input_ids)"
             )
-        if echoed != turn.prompt_ids:
+        if echoed is not None and echoed != turn.prompt_ids:
             raise UpstreamMalformed(
                 "backend generated from different prompt ids than it was sent: it ignored input_ids "
                 "(sglang < 0.5.13 re-renders messages) or altered them; nothing was recorded"
@@ -170,6 +199,14 @@ class SglangBackend:
         meta = choice.get("meta_info")
         if not isinstance(meta, dict):
             raise UpstreamMalformed("backend answered without meta_info (sglang >= 0.5.13 is required)")
+        counted = meta.get("prompt_tokens")
+        if counted is None and isinstance(body.get("usage"), dict):
+            counted = body["usage"].get("prompt_tokens")
+        if counted is not None and counted != len(turn.prompt):
+            raise UpstreamMalformed(
+                f"backend counted {counted!r} prompt tokens for the {len(turn.prompt)} ids it was sent: it did not "
+                "generate from our ids; nothing was recorded"
+            )
         entries = meta.get("output_token_logprobs")
         if not isinstance(entries, list) or not entries:
             raise UpstreamMalformed("backend answered without meta_info.output_token_logprobs")

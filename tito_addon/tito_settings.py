@@ -28,6 +28,9 @@ class TitoSettings(BaseModel):
     session_header: str = "x-session-id"
     trust_remote_code: bool = False
     upstream_timeout: float = 600.0
+    verify_prompt_echo: bool = False
+    record_message_text: bool = True
+    prefix_cache_mb: int = Field(default=256, ge=0, le=1024 * 1024)
     session_idle_timeout: float = 1800.0
     max_sessions: int = 10000
 

@@ -27,7 +27,7 @@ class BranchRow:
     input_ids: list[int]
     loss_mask: list[int]
     rollout_logprobs: list[float]
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] | None  # None when the session was recorded without message text
     finish_reasons: list[str | None]
     model: str | None
     tokenizer: str
@@ -49,13 +49,16 @@ def branches(session_file: SessionFile) -> Iterator[BranchRow]:
         sequence = prompt + completion
         mask = [0] * len(sequence)
         logprobs = [0.0] * len(sequence)
-        messages: list[dict[str, Any]] = []
+        messages: list[dict[str, Any]] | None = []
         for turn in path:
             start = turn.prompt_len  # the turn's completion follows its prompt in every descendant's sequence
             for offset, value in enumerate(turn.completion_logprobs):
                 mask[start + offset] = 1
                 logprobs[start + offset] = value
-            messages += turn.appended_messages + [turn.assistant_message]
+            if messages is not None and turn.appended_messages is not None:
+                messages += turn.appended_messages + [turn.assistant_message]
+            else:
+                messages = None
         yield BranchRow(
             session_id=leaf.session_id,
             leaf_turn_id=leaf.turn_id,

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from tito_addon.backend_protocol import Backend, BackendResult, BackendTurn, StreamEnd
 from tito_addon.message_keys import message_key
+from tito_addon.prompt_ids import EncodedPrefixes, PromptIds
 from tito_addon.record_models import SegmentSpan, TokenizerInfo, TurnRecord
 from tito_addon.record_reader import RecordError, read_session_file, rebuild_session
 from tito_addon.session_tree import Attachment, Session, SessionStore, TurnNode
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]+))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
 SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
+DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
@@ -84,6 +86,11 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_body(body: bytes) -> ChatRequest:
+    return parse_request(body)[0]
+
+
+def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+    """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -97,7 +104,7 @@ def parse_body(body: bytes) -> ChatRequest:
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object")
     try:
-        return ChatRequest.model_validate(obj)
+        return ChatRequest.model_validate(obj), obj
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
@@ -132,10 +139,11 @@ class PreparedTurn:
     parent: TurnNode | None
     appended: list[ChatMessage]
     piece: PromptPiece
-    prompt_ids: list[int]
+    prompt: PromptIds
     kwargs: dict[str, Any]
     keys: list[Any]
     namespace: str
+    raw: dict[str, Any]  # the request's JSON object
 
 
 class TurnService:
@@ -147,10 +155,14 @@ class TurnService:
         recorder: TrajectoryRecorder | None,
         *,
         session_header: str = "x-session-id",
+        prefixes: EncodedPrefixes | None = None,
+        record_message_text: bool = True,
     ) -> None:
+        self.record_message_text = record_message_text
         self.engine = engine
         self.backend = backend
         self.store = store
+        self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
         self.recorder = recorder
         self.session_header = session_header.lower()
 
@@ -176,7 +188,7 @@ class TurnService:
         path_id = match.group("sid")
         path_id = checked_session_id(unquote(path_id), "path") if path_id is not None else None
         session_id = session_id if session_id is not None else path_id
-        request = parse_body(body)
+        request, raw = parse_request(body)
         self.backend.check_request(request)
         if session_id is not None and session_id not in self.store.sessions:
             self.restore(session_id)
@@ -194,12 +206,11 @@ class TurnService:
             parent, appended = None, messages
         if parent is None:
             piece = self.engine.first_turn(messages, request.tools, kwargs)
-            prompt_ids = piece.ids
         else:
             piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
-            prompt_ids = parent.full_ids() + piece.ids
+        prompt = PromptIds(parent, piece.ids, self.prefixes)
         return PreparedTurn(
-            request, session_id, attachment, parent, appended, piece, prompt_ids, kwargs, keys, namespace
+            request, session_id, attachment, parent, appended, piece, prompt, kwargs, keys, namespace, raw
         )
 
     async def _handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
@@ -214,11 +225,16 @@ class TurnService:
             self._release(busy)
 
     def backend_turn(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> BackendTurn:
-        chat_body = prepared.request.model_dump(mode="json", exclude_unset=True, by_alias=True)
+        # The agent's object as sent (dumping 400 validated messages back cost ~1 ms a turn at turn 200), with
+        # the fields the model declares in their validated form, so "false" never reads as true downstream.
+        chat_body = dict(prepared.raw)
+        declared = {name for name in DECLARED_FIELDS if name in chat_body}
+        if declared:
+            chat_body.update(prepared.request.model_dump(mode="json", include=declared, by_alias=True))
         chat_body["chat_template_kwargs"] = prepared.kwargs
         chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
         forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
-        return BackendTurn(base_url, chat_path, chat_body, prepared.prompt_ids, forward, self.engine.stop_texts)
+        return BackendTurn(base_url, chat_path, chat_body, prepared.prompt, forward, self.engine.stop_texts)
 
     def finish(self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str]) -> dict[str, Any]:
         """Commit a turn the backend completed; the flow metadata that describes it."""
@@ -228,7 +244,7 @@ class TurnService:
             "session_id": node.session.session_id,
             "turn_id": node.turn_id,
             "parent_turn_id": node.parent.turn_id if node.parent else None,
-            "prompt_tokens": len(prepared.prompt_ids),
+            "prompt_tokens": len(prepared.prompt),
             "completion_tokens": len(result.completion_ids),
             # The whole record line: a `-w` flow file is then enough to regenerate the trajectory (`-r`).
             "record": record.model_dump(mode="json", by_alias=True),
@@ -301,7 +317,8 @@ class TurnService:
             session = self.store.new_session(prepared.session_id, prepared.namespace)
         assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
         parent = prepared.parent
-        segment_keys = tuple(prepared.keys[len(prepared.keys) - len(prepared.appended) :]) + (message_key(assistant),)
+        appended_keys = prepared.keys[len(prepared.keys) - len(prepared.appended) :]
+        segment_keys = tuple(appended_keys) + (message_key(assistant),)
         segment_reasoning = tuple(None for _ in prepared.appended) + (assistant.reasoning_text(),)
         tools_sha = tools_digest(prepared.request.tools)
         request = prepared.request
@@ -318,10 +335,13 @@ class TurnService:
             chat_template_kwargs=prepared.kwargs,
             tools_sha256=tools_sha,
             tools=request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
-            appended_messages=[m.model_dump(mode="json", exclude_none=True) for m in prepared.appended],
+            appended_messages=[m.model_dump(mode="json", exclude_none=True) for m in prepared.appended]
+            if self.record_message_text
+            else None,
+            appended_keys=None if self.record_message_text else [key.hex() for key in appended_keys],
             prompt_added_ids=prepared.piece.ids,
             prompt_segments=[SegmentSpan(source=s.source, start=s.start, end=s.end) for s in prepared.piece.segments],
-            prompt_len=len(prepared.prompt_ids),
+            prompt_len=len(prepared.prompt),
             completion_ids=result.completion_ids,
             completion_logprobs=result.completion_logprobs,
             assistant_message=result.message,
@@ -349,6 +369,7 @@ class TurnService:
             result.finish_reason,
             tools_sha,
         )
+        prepared.prompt.remember(node, result.completion_ids)
         return node, record
 
     def restore(self, session_id: str) -> None:

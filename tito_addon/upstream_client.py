@@ -52,6 +52,10 @@ class UpstreamClient:
         payload = dumps(body)
         return await self._request("POST", url, {**headers, "content-type": "application/json"}, payload)
 
+    async def post_bytes(self, url: str, payload: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        """A JSON body the caller already encoded (e.g. with a prompt's ids spliced in as ready text)."""
+        return await self._request("POST", url, {**headers, "content-type": "application/json"}, payload)
+
     async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
         return await self._request("GET", url, dict(headers), None)
 

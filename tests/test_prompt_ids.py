@@ -1,0 +1,53 @@
+"""The prompt's ids as a list and as ready JSON text: both forms agree, from the tree or from the cache, and
+the cache keeps to its byte budget."""
+
+from __future__ import annotations
+
+import json
+
+from tito_addon.prompt_ids import EncodedPrefixes, PromptIds
+from tito_addon.session_tree import SessionStore
+
+
+def chain(store: SessionStore, turns: int, prefixes: EncodedPrefixes | None):
+    session = store.new_session("s")
+    parent = None
+    nodes = []
+    for t in range(turns):
+        added = list(range(1000 * t, 1000 * t + 50))
+        completion = [7, 8, 9 + t]
+        prompt = PromptIds(parent, added, prefixes)
+        assert json.loads(b"[" + prompt.json + b"]") == prompt.ids, f"turn {t}: text and list disagree"
+        assert len(prompt) == len(prompt.ids)
+        node = store.commit(session, parent, 2 * (t + 1), ((("user", str(t), None),)), (None,), added, completion,
+                            "stop")  # fmt: skip
+        prompt.remember(node, completion)
+        nodes.append(node)
+        parent = node
+    return nodes
+
+
+def test_cached_text_equals_a_fresh_encoding_of_the_tree() -> None:
+    prefixes = EncodedPrefixes()
+    nodes = chain(SessionStore(), 6, prefixes)
+    assert prefixes.hits == 5 and prefixes.misses == 0  # every continuation extended the cached text
+    for node in nodes:
+        assert json.loads(b"[" + prefixes.get(node) + b"]") == node.full_ids()
+
+
+def test_without_a_cache_or_after_eviction_the_text_is_rebuilt_from_the_tree() -> None:
+    nodes = chain(SessionStore(), 4, None)
+    tiny = EncodedPrefixes(budget_bytes=600)
+    extra = PromptIds(nodes[-1], [1, 2, 3], tiny)  # a miss: encoded from the tree
+    assert json.loads(b"[" + extra.json + b"]") == nodes[-1].full_ids() + [1, 2, 3]
+    for node in nodes:
+        tiny.put(node, json.dumps(node.full_ids())[1:-1].encode())
+    assert tiny.used_bytes <= 600 and len(tiny) < len(nodes)
+    assert tiny.get(nodes[0]) is None  # least recently used went first
+    tiny.resize(0)
+    assert tiny.used_bytes == 0 and len(tiny) == 0
+
+
+def test_a_first_turn_has_no_leading_comma() -> None:
+    assert PromptIds(None, [5, 6]).json == b"5,6"
+    assert PromptIds(None, []).json == b""
