@@ -1,11 +1,13 @@
-"""Benchmarks P1, P3 and P4 (issue 6), as ratios against baselines measured in the same run.
+"""Benchmarks P1-P4 (issue 6), as ratios against baselines measured in the same run.
 
-    .venv/bin/python bench/run_all.py [--turns 200] [--repeats 3] [--out bench/results.json]
+    .venv/bin/python bench/run_all.py [--turns 200] [--repeats 3] [--only p1,p2,p3] [--out bench/results.json]
 
 P1  per-turn added latency vs history length: one session of N turns, each appending a ~500-token tool result,
     through mitmdump + addon against a zero-latency backend, minus plain mitmdump reverse passthrough of the
     same requests (and minus direct); plus the naive baseline's cost: re-rendering and re-tokenizing the whole
     history every turn.
+P2  concurrency: 256 agents x 10 turns, 100 ms backend latency: turns/s and p50/p99 latency through the addon
+    vs plain mitmdump passthrough vs direct, and with N mitmdump processes (bench/concurrency.py).
 P3  memory per stored token: 1,000 sessions x 20k tokens in the session tree (ids only; logprobs live on disk).
 P4  recording bytes per token for the N-turn session, vs the trajectory's own size (its final ids + logprobs).
 """
@@ -57,17 +59,25 @@ class Backend:
         self.url = f"http://127.0.0.1:{self.port}"
 
 
-def plain_mitmdump(target: str) -> tuple[subprocess.Popen, int]:
-    mitmdump = Path(sys.executable).with_name("mitmdump")
-    argv = [str(mitmdump), "--mode", f"reverse:{target}", "--listen-host", "127.0.0.1", "-p", "0"]
-    proc = subprocess.Popen(argv + ["--set", "flow_detail=0"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = LISTEN.search(line)
-        if match:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, int(match.group(1))
-    raise RuntimeError("plain mitmdump did not start")
+class PlainMitmdump:
+    """mitmdump in reverse mode with no addon: the passthrough baseline."""
+
+    def __init__(self, target: str) -> None:
+        mitmdump = Path(sys.executable).with_name("mitmdump")
+        argv = [str(mitmdump), "--mode", f"reverse:{target}", "--listen-host", "127.0.0.1", "-p", "0"]
+        self.proc = subprocess.Popen(argv + ["--set", "flow_detail=0"], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = LISTEN.search(line)
+            if match:
+                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+                self.url = f"http://127.0.0.1:{match.group(1)}"
+                return
+        raise RuntimeError("plain mitmdump did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
 
 
 def post(url: str, body: dict, session: str) -> float:
@@ -110,15 +120,35 @@ def p1_p4(turns: int, repeats: int) -> dict:
                   extra_args=["--set", "flow_detail=0"]) as proxy:  # fmt: skip
         for r in range(repeats):
             addon.append(run_session(proxy.url, requests, f"bench-{r}"))
-    proc, port = plain_mitmdump(backend.url)
+    lean_dir = Path(tempfile.mkdtemp(prefix="tito-bench-lean-"))
+    with Mitmdump(
+        backend.url,
+        tokenizer=TOKENIZER,
+        record_dir=lean_dir,
+        cwd=lean_dir,
+        options={"tito_record_message_text": "false"},
+        extra_args=["--set", "flow_detail=0"],
+    ) as proxy:
+        run_session(proxy.url, requests, "bench-0")  # fmt: skip
+    passthrough = PlainMitmdump(backend.url)
     try:
         for r in range(repeats):
-            plain.append(run_session(f"http://127.0.0.1:{port}", requests, f"plain-{r}"))
+            plain.append(run_session(passthrough.url, requests, f"plain-{r}"))
     finally:
-        proc.terminate()
-        proc.wait(20)
+        passthrough.stop()
     for r in range(repeats):
         direct.append(run_session(backend.url, requests, f"direct-{r}"))
+    # What the backend alone takes to read the prompt as ids (what the addon sends it), so the proxy's own share
+    # of "added" can be told from the backend's cost of parsing ~1 MB of ids instead of the message text.
+    recorded = read_session_file(record_dir / "bench-0.jsonl")
+    recorded_ids = recorded.full_ids()
+    direct_ids: dict[int, list[float]] = {}
+    for turn in (t for t in CHECKPOINTS if t <= turns):
+        for index in range(max(0, turn - 3), min(turns, turn + 2)):
+            prompt = recorded_ids[recorded.turns[index].turn_id][0]
+            body = {"model": "m", "messages": requests[index], "input_ids": prompt, "logprobs": True,
+                    "return_meta_info": True, "stream": False}  # fmt: skip
+            direct_ids.setdefault(turn, []).extend(post(backend.url, body, "ids") for _ in range(repeats))
 
     from tito_addon.token_engine import load_tokenizer
 
@@ -136,30 +166,136 @@ def p1_p4(turns: int, repeats: int) -> dict:
         p = statistics.median(x for run in plain for x in window(run, turn))
         d = statistics.median(x for run in direct for x in window(run, turn))
         n = statistics.median(naive(turn) for _ in range(5))
+        di = statistics.median(direct_ids[turn])
         result["p1"][turn] = {
-            "addon_ms": a * 1e3, "passthrough_ms": p * 1e3, "direct_ms": d * 1e3,
+            "addon_ms": a * 1e3, "passthrough_ms": p * 1e3, "direct_ms": d * 1e3, "direct_with_ids_ms": di * 1e3,
             "added_vs_passthrough_ms": (a - p) * 1e3, "added_vs_direct_ms": (a - d) * 1e3,
+            # Each proxy's own time: addon over the backend served ids, passthrough over it served messages.
+            "proxy_own_added_ms": ((a - di) - (p - d)) * 1e3,
             "naive_rerender_ms": n * 1e3,
         }  # fmt: skip
     first, last = result["p1"][min(result["p1"])], result["p1"][max(result["p1"])]
     result["p1"]["last_over_first_added"] = last["added_vs_passthrough_ms"] / max(
         first["added_vs_passthrough_ms"], 1e-9
     )
+    result["p1"]["last_over_first_proxy_own"] = last["proxy_own_added_ms"] / max(first["proxy_own_added_ms"], 1e-9)
 
-    session_file = read_session_file(record_dir / "bench-0.jsonl")
+    result["p4"] = p4(record_dir / "bench-0.jsonl")
+    result["p4_without_message_text"] = p4(lean_dir / "bench-0.jsonl")
+    return result
+
+
+def p1_breakdown(turns: int) -> dict:
+    """In-process, at each checkpoint: what preparing the next turn costs (no state changes), and how much of it
+    is only reading the agent's request (UTF-8 + JSON + validation + message keys), which grows with the
+    request the agent itself sends and which any proxy that finds sessions from messages must pay."""
+    from tito_addon.message_keys import message_key
+    from tito_addon.model_families import FAMILIES
+    from tito_addon.session_tree import SessionStore
+    from tito_addon.sglang_backend import SglangBackend
+    from tito_addon.token_engine import TokenEngine, load_tokenizer
+    from tito_addon.turn_service import TurnService, parse_request
+    from tito_addon.upstream_client import UpstreamClient
+
+    requests = conversation(turns)
+    bodies = [json.dumps({"model": "m", "messages": m}).encode() for m in requests]
+    tokenizer = load_tokenizer(TOKENIZER, trust_remote_code=False)
+    engine = TokenEngine(tokenizer, FAMILIES["qwen3"], append_roles=("tool", "user", "system"))
+    headers = {"x-session-id": "breakdown"}
+
+    def median_ms(fn, n: int = 15) -> float:
+        times = []
+        for _ in range(n):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1e3
+
+    def read(body: bytes) -> None:
+        request, _ = parse_request(body)
+        [message_key(m) for m in request.messages]
+
+    async def run() -> dict:
+        runner, port = await start_backend()
+        base = f"http://127.0.0.1:{port}"
+        client = UpstreamClient()
+        service = TurnService(engine, SglangBackend(client), SessionStore(), None)
+        out: dict = {}
+        try:
+            for index, body in enumerate(bodies):
+                turn = index + 1
+                if turn in CHECKPOINTS:
+                    out[turn] = {
+                        "request_kib": len(body) / 1024,
+                        "prepare_ms": median_ms(
+                            lambda b=body: service.prepare("/v1/chat/completions", headers, b, base)
+                        ),
+                        "read_request_ms": median_ms(lambda b=body: read(b)),
+                    }
+                reply = await service.handle("/v1/chat/completions", headers, body, base)
+                assert reply.status == 200, reply.body[:200]
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return out
+
+    return asyncio.run(run())
+
+
+def p4(path: Path) -> dict:
+    """The session file's bytes against the trajectory's own size: its final ids + logprobs as compact JSON."""
+    session_file = read_session_file(path)
     ids = session_file.full_ids()
     leaf = session_file.turns[-1]
     prompt, completion = ids[leaf.turn_id]
     logprobs = [lp for t in session_file.turns for lp in t.completion_logprobs]
     own = len(json.dumps({"ids": prompt + completion, "logprobs": logprobs}, separators=(",", ":")))
-    file_bytes = (record_dir / "bench-0.jsonl").stat().st_size
-    result["p4"] = {
+    file_bytes = path.stat().st_size
+    return {
         "tokens": len(prompt) + len(completion),
         "file_bytes": file_bytes,
         "trajectory_bytes": own,
         "bytes_per_token": file_bytes / (len(prompt) + len(completion)),
         "ratio": file_bytes / own,
     }
+
+
+def p2(sessions: int = 256, turns: int = 10, latency_s: float = 0.1, processes: tuple[int, ...] = (1, 2)) -> dict:
+    from concurrency import BackendProcess, run_load
+
+    backend = BackendProcess(latency_s)
+    result: dict = {"sessions": sessions, "turns_per_session": turns, "backend_latency_ms": latency_s * 1e3}
+    try:
+        result["direct"] = run_load([backend.url], sessions, turns)
+        for n in processes:
+            plain = [PlainMitmdump(backend.url) for _ in range(n)]
+            try:
+                result[f"passthrough_x{n}"] = run_load([p.url for p in plain], sessions, turns)
+            finally:
+                for proxy in plain:
+                    proxy.stop()
+            record_dir = Path(tempfile.mkdtemp(prefix="tito-bench-p2-"))
+            addons = [
+                Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=record_dir, cwd=record_dir,
+                         extra_args=["--set", "flow_detail=0"]).start()
+                for _ in range(n)
+            ]  # fmt: skip
+            try:
+                result[f"addon_x{n}"] = run_load([a.url for a in addons], sessions, turns)
+            finally:
+                for proxy in addons:
+                    proxy.stop()
+            recorded = sum(len(read_session_file(f).turns) for f in record_dir.glob("*.jsonl"))
+            result[f"addon_x{n}"]["recorded_turns"] = recorded
+            result[f"addon_x{n}"]["sessions_on_disk"] = len(list(record_dir.glob("*.jsonl")))
+            addon, plain_run = result[f"addon_x{n}"], result[f"passthrough_x{n}"]
+            result[f"ratio_x{n}"] = {
+                "throughput_addon_over_passthrough": addon["turns_per_s"] / plain_run["turns_per_s"],
+                "p99_added_ms": addon["p99_ms"] - plain_run["p99_ms"],
+                "p50_added_ms": addon["p50_ms"] - plain_run["p50_ms"],
+            }
+    finally:
+        backend.close()
     return result
 
 
@@ -191,14 +327,21 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="p1,p2,p3", help="comma-separated: p1 (with p4), p2, p3")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
     args = parser.parse_args()
+    only = set(args.only.split(","))
     results = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "command": " ".join(sys.argv),
     }
-    results.update(p1_p4(args.turns, args.repeats))
-    results["p3"] = p3()
+    if "p1" in only:
+        results.update(p1_p4(args.turns, args.repeats))
+        results["p1_breakdown"] = p1_breakdown(args.turns)
+    if "p2" in only:
+        results["p2"] = p2()
+    if "p3" in only:
+        results["p3"] = p3()
     args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     return 0

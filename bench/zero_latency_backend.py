@@ -1,41 +1,72 @@
 """A zero-latency sglang-shaped backend for benchmarks: answers every chat request at once with a short canned
-completion, echoing the prompt ids it was given. The same server answers the addon and the plain passthrough, so
-their difference is the proxy's own cost."""
+completion. Like sglang (0.5.13+) it echoes the prompt ids only when asked (`return_prompt_token_ids`) and
+reports its version on /server_info. It parses and encodes with orjson, so its own share of a turn stays
+small; the same server answers the addon and the plain passthrough, so their difference is the proxy's cost.
+An optional latency (P2) is slept before answering."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 
+import orjson
 from aiohttp import web
 
 COMPLETION = [785, 4226, 374, 220, 17, 16, 13, 151645]  # "The answer is 21." + <|im_end|>
 
 
-async def chat(request: web.Request) -> web.Response:
-    body = json.loads(await request.read())
-    ids = body.get("input_ids") or []
-    entries = [[-0.5, token, None] for token in COMPLETION]
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "The answer is 21."},
-        "finish_reason": "stop",
-        "prompt_token_ids": ids,
-        "meta_info": {"completion_tokens": len(COMPLETION), "output_token_logprobs": entries},
-    }
-    usage = {"prompt_tokens": len(ids), "completion_tokens": len(COMPLETION)}
-    return web.json_response({"id": "bench", "object": "chat.completion", "created": 0, "model": "m",
-                              "choices": [choice], "usage": usage})  # fmt: skip
+def make_app(latency_s: float = 0.0) -> web.Application:
+    async def chat(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        ids = body.get("input_ids") or []
+        if latency_s:
+            await asyncio.sleep(latency_s)
+        entries = [[-0.5, token, None] for token in COMPLETION]
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "The answer is 21."},
+            "finish_reason": "stop",
+            "meta_info": {"prompt_tokens": len(ids), "completion_tokens": len(COMPLETION),
+                          "output_token_logprobs": entries},
+        }  # fmt: skip
+        if body.get("return_prompt_token_ids"):
+            choice["prompt_token_ids"] = ids
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(COMPLETION)}
+        out = {"id": "bench", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice],
+               "usage": usage}  # fmt: skip
+        return web.Response(body=orjson.dumps(out), content_type="application/json")
 
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.5.23"})
 
-def make_app() -> web.Application:
     app = web.Application(client_max_size=1024**3)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/server_info", server_info)
     return app
 
 
-async def start(port: int = 0) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(make_app(), access_log=None)
+async def start(port: int = 0, latency_s: float = 0.0) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(make_app(latency_s), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     return runner, int(runner.addresses[0][1])
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds to wait before answering")
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        _, port = await start(args.port, args.latency)
+        print(f"listening http://127.0.0.1:{port}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""P2: many concurrent agent sessions through the proxy, as a ratio to plain mitmdump on the same load.
+
+256 agents (no session ids: sessions are found from the messages) each run 10 turns, every turn appending the
+reply and a ~150-token tool result; the backend answers after a fixed latency (100 ms). The load generator is
+one asyncio process; the backend runs in its own process so it never competes with the agents for the GIL.
+Reported per configuration: turns/s over the whole run, and p50/p99 of per-turn latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL_RESULT = " ".join(f"item {i}: {i * 7919 % 10007} ok" for i in range(30))  # ~150 tokens
+
+
+class BackendProcess:
+    """`bench/zero_latency_backend.py` with a latency, in a subprocess."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "zero_latency_backend.py"), "--latency", str(latency_s)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        self.url = line.strip().removeprefix("listening ")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+async def _agent(client: aiohttp.ClientSession, url: str, index: int, turns: int, latencies: list[float]) -> None:
+    messages: list[dict] = [
+        {"role": "system", "content": "You are a data agent."},
+        {"role": "user", "content": f"Task {index}: summarise the inventory."},
+    ]
+    for turn in range(turns):
+        body = orjson.dumps({"model": "m", "messages": messages})
+        started = time.perf_counter()
+        async with client.post(url + "/v1/chat/completions", data=body,
+                               headers={"content-type": "application/json"}) as response:  # fmt: skip
+            data = await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"agent {index} turn {turn}: HTTP {response.status}: {data[:300]!r}")
+        latencies.append(time.perf_counter() - started)
+        reply = orjson.loads(data)["choices"][0]["message"]
+        messages += [{"role": "assistant", "content": reply["content"]},
+                     {"role": "user", "content": f"Tool says ({turn}): {TOOL_RESULT}"}]  # fmt: skip
+
+
+async def _load(urls: list[str], sessions: int, turns: int) -> dict:
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        started = time.perf_counter()
+        # An agent always talks to the same proxy (its session lives there), as behind a sticky load balancer.
+        await asyncio.gather(*(_agent(client, urls[i % len(urls)], i, turns, latencies) for i in range(sessions)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "turns": len(latencies),
+        "seconds": elapsed,
+        "turns_per_s": len(latencies) / elapsed,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
+    }
+
+
+def run_load(urls: list[str], sessions: int, turns: int) -> dict:
+    return asyncio.run(_load(urls, sessions, turns))
