@@ -59,6 +59,22 @@ def test_append_roles_are_normalised() -> None:
         assert addon.engine.append_roles == ("tool", "user")
 
 
+@pytest.mark.parametrize(("family", "roles"), [("qwen3", ("tool", "user", "system")), ("mistral", ("tool", "user"))])
+def test_auto_append_roles_are_what_the_family_can_append(family, roles) -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon, tito_tokenizer=tokenizer_path(family), tito_model_family=family)
+        assert addon.engine.append_roles == roles
+
+
+def test_asking_a_family_for_a_role_it_refuses_fails_at_startup() -> None:
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        with pytest.raises(exceptions.OptionsError, match="cannot append system"):
+            configured(tctx, addon, tito_tokenizer=tokenizer_path("mistral"), tito_model_family="mistral",
+                       tito_append_roles="tool,user,system")  # fmt: skip
+
+
 def test_trust_remote_code_stays_off_unless_enabled(monkeypatch) -> None:
     seen = []
     real = token_engine.load_tokenizer

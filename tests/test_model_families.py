@@ -11,7 +11,7 @@ from conftest import SHARED, TOOLS, cached_tokenizer, tokenizer_path
 
 from tito_addon.message_keys import template_message
 from tito_addon.model_families import FAMILIES, GPT_OSS_PINNED_DATE, suggest_family
-from tito_addon.tito_errors import TokenizationError
+from tito_addon.tito_errors import TemplateRefusal, TokenizationError
 from tito_addon.token_engine import TokenEngine
 from tito_addon.wire_models import ChatMessage
 
@@ -395,10 +395,11 @@ def test_gpt_oss_stops_without_a_generation_config() -> None:
     assert {ret, call_} <= set(engine.stop_ids) and engine.boundary_ids([5, call_]) == []
 
 
-def test_template_errors_stay_tokenization_errors() -> None:
+def test_a_template_refusing_the_request_is_the_clients_400() -> None:
     engine = engine_for("mistral")
-    with pytest.raises(TokenizationError, match="Tool call IDs should be alphanumeric strings with length 9"):
+    with pytest.raises(TemplateRefusal, match="Tool call IDs should be alphanumeric strings with length 9") as raised:
         engine.continuation([2], [M(role="tool", tool_call_id="call_1", content="x")], None, {})
+    assert raised.value.status == 400 and isinstance(raised.value, TokenizationError)
 
 
 # -- goldens and drift cases -----------------------------------------------------------------------------------

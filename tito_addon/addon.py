@@ -29,7 +29,7 @@ from tito_addon.record_reader import read_session_file
 from tito_addon.session_tree import SessionStore
 from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.tito_settings import TitoSettings
-from tito_addon.token_engine import TokenEngine, load_tokenizer
+from tito_addon.token_engine import APPENDABLE_ROLES, TokenEngine, load_tokenizer
 from tito_addon.trajectory_recorder import TrajectoryRecorder
 from tito_addon.turn_service import HttpReply, TurnService, is_chat_path, json_reply, strip_session_prefix
 from tito_addon.upstream_client import UpstreamClient
@@ -87,7 +87,11 @@ class TitoAddon:
         loader.add_option("tito_model_family", str, "default", f"Boundary and template rules: {', '.join(FAMILIES)}.")
         loader.add_option("tito_record_dir", str, "recordings", "Directory for the per-session JSONL trajectories.")
         loader.add_option(
-            "tito_append_roles", str, "tool,user,system", "Comma-separated roles a request may append to a stored turn."
+            "tito_append_roles",
+            str,
+            "auto",
+            "Comma-separated roles a request may append to a stored turn; auto: every role the model family can "
+            "append (tool,user,system, less what the family refuses, e.g. system for deepseek-r1 and mistral).",
         )
         loader.add_option(
             "tito_chat_template_kwargs", str, "", "JSON object of chat template kwargs applied to every render."
@@ -195,11 +199,13 @@ class TitoAddon:
             tokenizer = load_tokenizer(settings.tokenizer, trust_remote_code=settings.trust_remote_code)
         except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
             raise exceptions.OptionsError(f"cannot load tokenizer {settings.tokenizer!r}: {exc}") from exc
+        family = FAMILIES[settings.model_family]
+        roles = settings.append_roles or tuple(r for r in APPENDABLE_ROLES if r not in family.refused_append_roles)
         try:
             engine = TokenEngine(
                 tokenizer,
-                FAMILIES[settings.model_family],
-                append_roles=settings.append_roles,
+                family,
+                append_roles=roles,
                 pinned_kwargs=settings.chat_template_kwargs,
                 tokenizer_name=settings.tokenizer,
             )

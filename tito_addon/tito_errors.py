@@ -54,6 +54,14 @@ class TokenizationError(TitoError):
     error_type = "tokenization_error"
 
 
+class TemplateRefusal(TokenizationError):
+    """The model's chat template itself rejected the request (its `raise_exception`): the client's input is what
+    the model cannot take, e.g. a Mistral tool-call id that is not nine alphanumerics."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
 class UpstreamPassthrough(Exception):
     """The backend answered non-200: the agent receives that status and body verbatim."""
 

@@ -23,7 +23,7 @@ class TitoSettings(BaseModel):
     tokenizer: str
     model_family: str = "default"
     record_dir: str = "recordings"
-    append_roles: tuple[str, ...] = APPENDABLE_ROLES
+    append_roles: tuple[str, ...] = ()  # (): the family's own (see TitoAddon._build_engine)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     session_header: str = "x-session-id"
     trust_remote_code: bool = False
@@ -70,6 +70,8 @@ class TitoSettings(BaseModel):
     @field_validator("append_roles", mode="before")
     @classmethod
     def _roles(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return ()
         if isinstance(value, str):
             value = [part for part in value.replace(" ", "").split(",") if part]
         roles = tuple(dict.fromkeys(str(v).lower() for v in value))

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from tito_addon.message_keys import template_message
 from tito_addon.model_families import ModelFamily, suggest_family
-from tito_addon.tito_errors import BadRequest, TokenizationError
+from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
 from tito_addon.wire_models import ChatMessage
 
 logger = logging.getLogger(__name__)
@@ -144,6 +146,10 @@ class TokenEngine:
                 chat_template=self.template,
                 **kwargs,
             )
+        except jinja2.TemplateError as exc:
+            raise TemplateRefusal(
+                f"the model's chat template refused this request: {exc}; nothing was forwarded"
+            ) from exc
         except Exception as exc:  # jinja raises many types, all of which mean "this input cannot be rendered"
             raise TokenizationError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(text, str):
