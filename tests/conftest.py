@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ TOOLS = [
     },
 ]
 HUB_NAMES = {"qwen3": "Qwen/Qwen3-8B", "qwen2.5": "Qwen/Qwen2.5-7B-Instruct"}
+# The API keys the tests send (long enough to be unmistakable); none may appear in a recording or a proxy log.
+API_KEYS = ("sk-tito-test-SECRET-4f9a1c", "sk-agent", "sk-client", "sk-tito-crash-KEY-77e1", "sk-tito-conc-KEY-3b02")
+CREDENTIAL = re.compile(r"bearer\s+\S|authorization", re.IGNORECASE)
 
 
 def tokenizer_path(family: str) -> str:
@@ -69,3 +73,25 @@ def qwen3_engine():
 @pytest.fixture
 def qwen25_engine():
     return cached_engine("qwen2.5")
+
+
+def credential_leaks(text: str, where: str) -> list[str]:
+    found = [f"{where}: API key {key!r}" for key in API_KEYS if key in text]
+    found += [f"{where}: {match.group(0)!r} at {match.start()}" for match in CREDENTIAL.finditer(text)]
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_credentials_in_any_recording_or_log():
+    """Across every test: no Authorization header value or API key in any mitmdump log or file a proxy recorded."""
+    yield
+    from tito_addon.proxy_process import Mitmdump
+
+    leaks: list[str] = []
+    for proxy in Mitmdump.instances:
+        leaks += credential_leaks(proxy.output(), f"log of mitmdump in {proxy.cwd}")
+        if proxy.record_dir.is_dir():
+            for path in sorted(proxy.record_dir.rglob("*")):
+                if path.is_file():
+                    leaks += credential_leaks(path.read_bytes().decode("utf-8", "replace"), str(path))
+    assert not leaks, "credentials leaked:\n" + "\n".join(leaks[:20])

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 REPO = Path(__file__).resolve().parents[1]
 LISTEN = re.compile(r"listening at (?:\S+? )?\[?127\.0\.0\.1\]?:(\d+)")
@@ -19,6 +20,9 @@ LISTEN = re.compile(r"listening at (?:\S+? )?\[?127\.0\.0\.1\]?:(\d+)")
 
 class Mitmdump:
     """`mitmdump -s tito_addon/__init__.py` (or `python -m tito_addon`) in reverse mode, run from `cwd`."""
+
+    #: Every instance made in this process, so a test session can audit all their logs and recordings at the end.
+    instances: ClassVar[list[Mitmdump]] = []
 
     def __init__(
         self,
@@ -54,6 +58,8 @@ class Mitmdump:
             env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self.env = env
         self.cwd = cwd
+        self.record_dir = Path(record_dir)
+        Mitmdump.instances.append(self)
         self.lines: list[str] = []
         self.port: int | None = None
         self.proc: subprocess.Popen[str] | None = None
@@ -99,6 +105,14 @@ class Mitmdump:
 
     def output(self) -> str:
         return "".join(self.lines)
+
+    def kill(self) -> int | None:
+        """SIGKILL, as a crash would: no shutdown hook runs, nothing is flushed or closed by the process."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
 
     def stop(self) -> int | None:
         if self.proc is None:
