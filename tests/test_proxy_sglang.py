@@ -314,7 +314,9 @@ def test_disallowed_append_role_is_400_and_leaves_the_branch_usable(replica, rec
     [
         ("http500", 500, "injected"),
         ("http429", 429, "injected"),
+        ("http503", 503, "injected"),
         ("not_json", 502, "not JSON"),
+        ("truncated_json", 502, "not JSON"),
         ("no_choices", 502, "without choices"),
         ("no_meta_info", 502, "meta_info"),
         ("length_mismatch", 502, "does not match"),
@@ -322,6 +324,7 @@ def test_disallowed_append_role_is_400_and_leaves_the_branch_usable(replica, rec
         ("wrong_prompt_ids", 502, "different prompt ids"),
         ("nan_logprob", 502, "finite"),
         ("reset", 502, "backend connection failed"),
+        ("reset_early", 502, "backend connection failed"),
         ("stall", 504, "did not answer within"),
     ],
 )
@@ -386,6 +389,33 @@ def test_refused_backend_is_502(tmp_path) -> None:
         )
         assert response.status_code == 502
         assert "unreachable" in response.json()["error"]["message"]
+
+
+def test_a_backend_gone_mid_session_is_502_and_the_session_resumes_when_it_returns(tmp_path) -> None:
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"))
+    first = ReplicaThread(config).start()
+    port = first.port
+    with Mitmdump(first.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path) as proxy:
+        client = agent(proxy, "backend-gone")
+        messages, _ = run_agent(client, 1)
+        path = tmp_path / "rec" / session_file_name("backend-gone")
+        size = path.stat().st_size
+        first.stop()  # refused from now on
+        for _ in range(2):  # a pooled connection may fail first as a reset; then the refusal itself
+            response = post(
+                proxy.url + "/v1/chat/completions",
+                json={"model": "reference-model", "messages": messages, "tools": TOOLS},
+                headers={"x-session-id": "backend-gone"},
+                timeout=30,
+            )
+            assert response.status_code == 502, response.text
+            assert response.json()["error"]["type"] == "upstream_unavailable"
+        assert "unreachable" in response.json()["error"]["message"]
+        assert path.stat().st_size == size
+        with ReplicaThread(config, port=port):
+            client.chat.completions.create(model="reference-model", messages=messages, tools=TOOLS)
+    recorded = read_session_file(path)
+    assert [t.parent_turn_id for t in recorded.turns] == [None, 0]
 
 
 def test_reasoning_only_reply_cut_by_max_tokens_is_served_and_recorded(proxy, fresh, record_dir) -> None:

@@ -76,9 +76,12 @@ FAULT_NAMES: frozenset[str] = frozenset(
         "none",
         "http500",
         "http429",
+        "http503",
         "reset",
+        "reset_early",
         "stall",
         "not_json",
+        "truncated_json",
         "no_choices",
         "no_meta_info",
         "length_mismatch",
@@ -88,7 +91,9 @@ FAULT_NAMES: frozenset[str] = frozenset(
         "nan_logprob",
     }
 )
-_TRANSPORT_FAULTS = frozenset({"http500", "http429", "reset", "stall", "not_json"})
+_TRANSPORT_FAULTS = frozenset(
+    {"http500", "http429", "http503", "reset", "reset_early", "stall", "not_json", "truncated_json"}
+)
 
 _THINK_START = "<think>"
 _THINK_END = "</think>"
@@ -490,6 +495,20 @@ def _pick_splits(
     return chosen
 
 
+#: A complete HTTP 200 whose JSON body stops mid-completion (a proxy or server that cut the body it framed).
+TRUNCATED_COMPLETION = (
+    b'{"id": "cut", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", '
+    b'"content": "Par'
+)
+
+
+async def _reset_before_answering(request: web.Request) -> web.StreamResponse:
+    """``reset_early``: close the connection before a single byte of the answer (a crashed or restarted server)."""
+    if request.transport is not None:
+        request.transport.abort()
+    return web.Response(status=500)  # never sent: the connection is gone
+
+
 async def _stall_or_reset(request: web.Request, fault: str, stopping: asyncio.Event | None) -> web.StreamResponse:
     """``stall``: hold the request until shutdown (or an hour); then (and for ``reset``) send
     response headers plus a few bytes of a JSON body and abort the connection."""
@@ -754,11 +773,15 @@ class ReferenceBackend(ServedApp):
         return _json_response(out)
 
     async def _transport_fault(self, request: web.Request, fault: str) -> web.StreamResponse:
-        if fault in ("http500", "http429"):
-            code = 500 if fault == "http500" else 429
+        if fault.startswith("http"):
+            code = int(fault[len("http") :])
             return _json_response({"object": "error", "message": "injected", "code": code}, status=code)
         if fault == "not_json":
             return web.Response(status=200, body=b"{weird", content_type="application/json")
+        if fault == "truncated_json":
+            return web.Response(status=200, body=TRUNCATED_COMPLETION, content_type="application/json")
+        if fault == "reset_early":
+            return await _reset_before_answering(request)
         # "stall" / "reset": headers out, then abort the connection
         return await _stall_or_reset(request, fault, self._stopping)
 

@@ -40,6 +40,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from tito_addon.reference_backend import (
+    TRUNCATED_COMPLETION,
     _THINK_END,
     _THINK_START,
     _TOOL_START,
@@ -50,6 +51,7 @@ from tito_addon.reference_backend import (
     _load_tokenizer,
     _logprob,
     _noncanonical_ids,
+    _reset_before_answering,
     _script_turn,
     _stall_or_reset,
     _Tokenizer,
@@ -63,10 +65,11 @@ _DERENDER = "/v1/chat/completions/derender"
 _ENDPOINTS = {"render": _RENDER, "generate": _GENERATE, "derender": _DERENDER}
 
 #: Fault kinds per endpoint (``"<endpoint>:<kind>"``); ``http<NNN>`` (any 4xx/5xx) works everywhere.
-_COMMON_FAULTS = frozenset({"none", "stall", "reset", "not_json"})
+_COMMON_FAULTS = frozenset({"none", "stall", "reset", "reset_early", "not_json", "truncated_json"})
 VLLM_FAULTS: dict[str, frozenset[str]] = {
     "render": _COMMON_FAULTS,
-    "generate": _COMMON_FAULTS | {"missing_ids", "empty_ids", "non_int_ids", "missing_logprobs", "logprobs_length"},
+    "generate": _COMMON_FAULTS
+    | {"missing_ids", "empty_ids", "non_int_ids", "missing_logprobs", "logprobs_length", "short_prompt_ids"},
     "derender": _COMMON_FAULTS | {"not_chat", "empty_message"},
 }
 _HTTP_FAULT = re.compile(r"http([45]\d\d)")
@@ -409,6 +412,10 @@ class VllmReplica(ServedApp):
                 return None, _json_response(body_, status=code), None
             if fault == "not_json":
                 return None, web.Response(status=200, body=b"{weird", content_type="application/json"), None
+            if fault == "truncated_json":
+                return None, web.Response(status=200, body=TRUNCATED_COMPLETION, content_type="application/json"), None
+            if fault == "reset_early":
+                return None, await _reset_before_answering(request), None
             if fault in ("stall", "reset"):
                 return None, await _stall_or_reset(request, fault, self._stopping), None
         if not isinstance(body, dict):
@@ -755,6 +762,11 @@ class VllmReplica(ServedApp):
         return {"content": entries}
 
     @staticmethod
+    def _echo(prompt_ids: list[int], fault: str | None) -> list[int]:
+        """The prompt ids generate reports it ran on; ``short_prompt_ids``: one fewer than it was sent."""
+        return list(prompt_ids[:-1] if fault == "short_prompt_ids" else prompt_ids)
+
+    @staticmethod
     def _ids_with_fault(ids: list[int], fault: str | None) -> Any:
         if fault == "empty_ids":
             return []
@@ -800,7 +812,7 @@ class VllmReplica(ServedApp):
             "usage": self._usage(n_prompt, len(ids)),
             "prompt_logprobs": None,
             "prompt_token_id_logprobs": None,
-            "prompt_token_ids": list(gen["prompt_ids"]) if body.get("return_token_ids") is True else None,
+            "prompt_token_ids": self._echo(gen["prompt_ids"], fault) if body.get("return_token_ids") is True else None,
             "mm_placeholders": None,
             "metrics": None,
             "kv_transfer_params": None,
