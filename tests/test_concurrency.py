@@ -180,5 +180,6 @@ def test_256_sessions_10000_turns_no_lost_duplicated_or_interleaved_turn_and_no_
             assert ids[entry["turn"]][0] == received[entry["seed"]], "recorded prompt ids differ from those sent"
     retries = sum(1 for agent in agents if agent.plan in (1, 3))
     edits = sum(1 for agent in agents if agent.plan in (2, 3))
-    print(f"\n{turns} turns in {SESSIONS} sessions ({retries} retries, {edits} edits) in {served:.0f}s; "
-          f"tasks {tasks_before['tasks']} -> {tasks_after['tasks']}; fds {dict(census_before)} -> {dict(census_after)}")  # fmt: skip
+    tasks = f"{tasks_before['tasks']} -> {tasks_after['tasks']}"
+    print(f"\n{turns} turns in {SESSIONS} sessions ({retries} retries, {edits} edits) in {served:.0f}s; tasks {tasks}; "
+          f"fds {dict(census_before)} -> {dict(census_after)}")  # fmt: skip

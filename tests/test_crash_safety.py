@@ -188,8 +188,9 @@ def test_twenty_kill_9_under_load_lose_no_acknowledged_turn(tmp_path: Path) -> N
             assert after["schema"] == "tito.turn.v1" and after["session_id"] == agent.session
         else:
             assert recorded.skipped_lines == [], f"{path.name}: a SIGKILL tore a line"
+    assert sorted(record_dir.iterdir()) == sorted(record_dir / session_file_name(a.session) for a in agents)
     assert acked >= AGENTS * 3, acked
     assert on_disk >= acked
     elapsed = time.monotonic() - started
-    print(f"\n{kills} kills, {acked} acknowledged turns, {on_disk} on disk, {killed_in_flight} requests failed around a kill, "
-          f"{ambiguous} attached to an identical sibling, {elapsed:.0f}s")  # fmt: skip
+    print(f"\n{kills} kills, {acked} acknowledged turns, {on_disk} on disk, {killed_in_flight} requests failed around "
+          f"a kill, {ambiguous} attached to an identical sibling, {elapsed:.0f}s")  # fmt: skip

@@ -229,8 +229,9 @@ def malformed_json_bodies(draw) -> bytes:
         if where == "nested":
             return b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"42": ' + token + b"}}"
         if where == "tool_args":
-            return (b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c",'
-                    b' "type": "function", "function": {"name": "f", "arguments": {"v": ' + token + b"}}}]}]}")  # fmt: skip
+            call = b'{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"v": ' + token + b"}}}"
+            assistant = b'{"role": "assistant", "tool_calls": [' + call + b"]}"
+            return b'{"messages": [{"role": "user", "content": "x"}, ' + assistant + b"]}"
         return b'{"messages": [{"role": "user", "content": ' + token + b"}]}"
     if kind == "duplicate":
         where = draw(st.sampled_from(["top", "message", "nested"]))

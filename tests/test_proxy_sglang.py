@@ -459,7 +459,9 @@ def session_request(proxy, session_id: str, via: str, content: str):
 
 
 @pytest.mark.parametrize("via", ["header", "path"])
-@pytest.mark.parametrize("session_id", ["a/b", "team/run-1", "with space", "日本語-セッション", "C:\\win", "x" * 200])
+@pytest.mark.parametrize(
+    "session_id", ["a/b", "team/run-1", "with space", "日本語-セッション", "C:\\win", "x" * 200]
+)
 def test_ordinary_session_ids_are_mapped_into_the_record_dir(proxy, fresh, record_dir, session_id, via) -> None:
     before = set(record_dir.iterdir())
     response = session_request(proxy, session_id, via, f"Hi {via}")

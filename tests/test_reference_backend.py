@@ -477,17 +477,21 @@ def test_fault_queue_is_fifo_and_validated(replica: ReplicaThread) -> None:
     assert len(replica.received()) == 3
 
 
-@pytest.mark.parametrize("fault", sorted(FAULT_NAMES - {"none", "stall", "reset"}))
+@pytest.mark.parametrize("fault", sorted(FAULT_NAMES - {"none", "stall", "reset", "reset_early"}))
 def test_each_fault(replica: ReplicaThread, tok: Any, fault: str) -> None:
     replica.set_faults([fault])
     prompt = render_ids(tok, USER)
     status, out, raw = chat(replica, tito_body(USER, input_ids=prompt))
     assert len(replica.received()) == 1
-    if fault in ("http500", "http429"):
+    if fault in ("http500", "http429", "http503"):
         code = int(fault[4:])
         assert status == code and out == {"object": "error", "message": "injected", "code": code}
     elif fault == "not_json":
         assert status == 200 and raw == b"{weird"
+    elif fault == "truncated_json":
+        assert status == 200 and out is None and raw.startswith(b'{"id": "cut"')
+    elif fault == "wrong_prompt_tokens":
+        assert out["choices"][0]["meta_info"]["prompt_tokens"] == len(prompt) + 1
     elif fault == "no_choices":
         assert status == 200 and out["choices"] == []
     elif fault == "no_meta_info":
@@ -513,12 +517,13 @@ def test_each_fault(replica: ReplicaThread, tok: Any, fault: str) -> None:
 
 
 def test_fault_reset_and_stall(replica: ReplicaThread) -> None:
-    replica.set_faults(["reset", "stall"])
-    with pytest.raises((OSError, http_client.HTTPException)):
-        chat(replica, {"messages": USER})
+    replica.set_faults(["reset", "reset_early", "stall"])
+    for _ in range(2):
+        with pytest.raises((OSError, http_client.HTTPException)):
+            chat(replica, {"messages": USER})
     with pytest.raises((OSError, http_client.HTTPException)):  # TimeoutError is an OSError
         chat(replica, {"messages": USER}, timeout=0.5)
-    assert len(replica.received()) == 2
+    assert len(replica.received()) == 3
     assert chat(replica, {"messages": USER})[0] == 200
 
 
