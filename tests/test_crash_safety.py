@@ -53,7 +53,7 @@ class CrashAgent:
                 reply = await response.json()
                 assert response.headers["x-tito-session-id"] == self.session
                 turn_id = int(response.headers["x-tito-turn-id"])
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
             self.failures += 1  # the proxy died under us: the same request goes to the next one
             return False
         message = reply["choices"][0]["message"]

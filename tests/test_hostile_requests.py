@@ -121,9 +121,7 @@ scalars = st.one_of(
 )  # fmt: skip
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                       max_size=3), max_leaves=8)  # fmt: skip
-good_message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=40)}
-)
+good_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.text(max_size=40)})
 extra_fields = st.dictionaries(
     st.text(max_size=10).filter(lambda k: k not in FIELD_TYPES and k != "messages"), scalars, max_size=3
 )

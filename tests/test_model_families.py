@@ -348,12 +348,7 @@ def test_official_template_is_refused_with_the_family_to_use(family: str) -> Non
 
 
 def test_probe_names_what_the_official_templates_rewrite() -> None:
-    problems = {
-        family: " | ".join(
-            default_engine(family).append_only_problems()
-        )
-        for family in FAMILY_NAMES
-    }
+    problems = {family: " | ".join(default_engine(family).append_only_problems()) for family in FAMILY_NAMES}
     assert "TypeError" in problems["deepseek-r1"]  # object arguments: it concatenates them as strings
     # gpt-oss rewrites a final answer (analysis dropped, <|return|> to <|end|>) and names a result's tool from
     # history the wire format does not carry.

@@ -196,9 +196,7 @@ def verify(
     verdict = Verdict(tokenizer_name, family_name, kwargs, refused_roles=dict(family.refused_append_roles))
     roles = tuple(r for r in APPENDABLE_ROLES if r not in family.refused_append_roles)
     try:
-        engine = TokenEngine(
-            tokenizer, family, append_roles=roles, pinned_kwargs=kwargs, tokenizer_name=tokenizer_name
-        )
+        engine = TokenEngine(tokenizer, family, append_roles=roles, pinned_kwargs=kwargs, tokenizer_name=tokenizer_name)
     except (TitoError, ValueError) as exc:
         verdict.startup_error = getattr(exc, "message", str(exc))
         return verdict

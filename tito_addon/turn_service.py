@@ -34,7 +34,8 @@ from tito_addon.wire_models import ChatMessage, ChatRequest, session_id_problem
 
 logger = logging.getLogger(__name__)
 
-CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]+))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
+# The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
+CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
 SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
 DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 SAMPLING_KEYS = (

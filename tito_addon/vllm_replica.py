@@ -40,10 +40,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from tito_addon.reference_backend import (
-    TRUNCATED_COMPLETION,
     _THINK_END,
     _THINK_START,
     _TOOL_START,
+    TRUNCATED_COMPLETION,
     ReplicaThread,
     ServedApp,
     _completion_text,
