@@ -225,6 +225,7 @@ def test_continuation_cost_does_not_grow_with_history(monkeypatch) -> None:
     monkeypatch.setattr(engine, "render", lambda *a, **k: rendered.append(len(r := real_render(*a, **k))) or r)
     monkeypatch.setattr(engine, "encode", lambda text: encoded.append(len(text)) or real_encode(text))
     appended = [M(role="tool", tool_call_id="call_1", name="search", content="result " * 50)]
+    engine.continuation([engine.end_of_turn_ids[0]], appended, TOOLS, {})  # the same warm caches for every length
     costs = []
     for history_tokens in (10, 10_000, 200_000):
         rendered.clear()
@@ -233,3 +234,32 @@ def test_continuation_cost_does_not_grow_with_history(monkeypatch) -> None:
         engine.continuation(completion, appended, TOOLS, {})
         costs.append((sum(rendered), sum(encoded)))
     assert costs[0] == costs[1] == costs[2]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "deepseek-r1", "gpt-oss", "mistral"])
+def test_the_rust_fast_path_gives_the_wrappers_ids(family: str) -> None:
+    engine = cached_engine(family, roles=("tool", "user"))
+    assert engine._fast is not None
+    texts = [json.loads(line)["text"] for line in (SHARED / "tokenizers" / "render_examples.jsonl").open()]
+    for path in (SHARED / "drift_cases").glob("*.jsonl"):
+        for line in path.open():
+            texts += [v for v in json.loads(line).values() if isinstance(v, str)]
+    assert len(texts) > 400
+    for text in texts:
+        assert engine.encode(text) == list(engine.tokenizer.encode(text, add_special_tokens=False)), text[:80]
+
+
+def test_a_fast_path_that_disagrees_is_not_used() -> None:
+    """A Rust tokenizer that splits differently from its wrapper (here: Qwen2.5's, which lacks Qwen3's <think>
+    tokens, under the Qwen3 wrapper) is caught by the startup probe and never used."""
+    engine = cached_engine("qwen3")
+    other = cached_engine("qwen2.5").tokenizer._tokenizer
+
+    class Wrapper:
+        def __init__(self, tokenizer):
+            self._tokenizer = other
+            self.encode = tokenizer.encode
+            self.all_special_tokens = tokenizer.all_special_tokens
+
+    assert TokenEngine._fast_path(engine.tokenizer, engine.template) is engine._fast is not None
+    assert TokenEngine._fast_path(Wrapper(engine.tokenizer), engine.template) is None

@@ -10,6 +10,7 @@ behind one proxy: several `--mode reverse:…` listeners, or several `tito_backe
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 BACKEND_URL_ENV = ("TITO_BACKEND_URL", "SGLANG_BASE_URL", "VLLM_BASE_URL")
 
 
+@functools.lru_cache(maxsize=256)  # asked for every chat flow (the environment's URL), with few distinct values
 def normalize_backend_url(value: str) -> str:
     """`host:port`, `http://host:port/`, `http://host:port/v1` -> `http://host:port` (a path prefix is kept)."""
     value = value.strip()

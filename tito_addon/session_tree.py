@@ -195,7 +195,7 @@ class SessionStore:
         now = time.time() if now is None else now
         closed: list[tuple[Session, str]] = []
         if self.idle_timeout > 0:
-            for session in list(self.sessions.values()):
+            for session in self.sessions.values():  # nothing is removed until after both loops
                 if now - session.last_used < self.idle_timeout:
                     break  # LRU order: everything after this one was used more recently
                 if session.inflight == 0:
@@ -203,7 +203,7 @@ class SessionStore:
         if self.max_sessions > 0:
             excess = len(self.sessions) - len(closed) - self.max_sessions
             leaving = {id(s) for s, _ in closed}
-            for session in list(self.sessions.values()):
+            for session in self.sessions.values():
                 if excess <= 0:
                     break
                 if session.inflight == 0 and id(session) not in leaving:

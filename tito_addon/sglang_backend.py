@@ -12,6 +12,7 @@ the proxy does for that turn.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -50,15 +51,24 @@ class SglangBackend:
         self.client = client
         self.verify_echo = verify_echo
         self._versions: dict[str, tuple[int, ...] | None] = {}
+        self._asking: dict[str, asyncio.Future[tuple[int, ...] | None]] = {}
         self._echo_verified: set[str] = set()
 
     def check_request(self, request: ChatRequest) -> None:
         """sglang serves any valid chat request."""
 
     async def version(self, base_url: str, headers: dict[str, str]) -> tuple[int, ...] | None:
-        """The server's version from its server-info route, asked once per backend."""
+        """The server's version from its server-info route, asked once per backend: the many first requests of
+        a fresh proxy share one question instead of each asking."""
         if base_url in self._versions:
             return self._versions[base_url]
+        asking = self._asking.get(base_url)
+        if asking is None:
+            asking = self._asking[base_url] = asyncio.ensure_future(self._ask_version(base_url, headers))
+            asking.add_done_callback(lambda _: self._asking.pop(base_url, None))
+        return await asyncio.shield(asking)  # one waiter cancelled (its agent hung up) leaves the others theirs
+
+    async def _ask_version(self, base_url: str, headers: dict[str, str]) -> tuple[int, ...] | None:
         found: tuple[int, ...] | None = None
         for route in ("/server_info", "/get_server_info"):
             try:

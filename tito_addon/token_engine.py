@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import orjson
+import tokenizers
 
 from tito_addon.message_keys import template_message
 from tito_addon.model_families import ModelFamily, suggest_family
@@ -40,6 +42,7 @@ PROBE_TOOL = {
     },
 }
 _MARK = "TITO_PROBE_ASSISTANT_TEXT"
+CACHE_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ class TokenEngine:
         tokenizer_name: str = "",
     ) -> None:
         self.tokenizer = tokenizer
+        self._fast: tokenizers.Tokenizer | None = None
+        self._small_cache: dict[str, list[int]] = {}
+        self._render_cache: dict[bytes, str] = {}
         self.family = family
         self.append_roles = tuple(append_roles)
         self.pinned_kwargs = {**family.pinned_kwargs, **(pinned_kwargs or {})}
@@ -111,6 +117,7 @@ class TokenEngine:
         bad = FORBIDDEN_KWARGS & set(self.pinned_kwargs)
         if bad:
             raise ValueError(f"chat template kwargs may not set {', '.join(sorted(bad))}")
+        self._fast = self._fast_path(tokenizer, self.template)
         if family.single_token_newline and len(self.encode("\n")) != 1:
             raise ValueError(f"family {family.name} needs a tokenizer that encodes '\\n' as one token")
         self.stop_ids = self._stop_ids()
@@ -127,7 +134,43 @@ class TokenEngine:
     # -- primitives -------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_small(self, text: str) -> list[int]:
+        """For the few short texts every turn repeats (the generation prompt): encoded once."""
+        ids = self._small_cache.get(text)
+        if ids is None:
+            if len(self._small_cache) >= CACHE_ENTRIES:
+                self._small_cache.clear()
+            ids = self._small_cache[text] = self.encode(text)
+        return list(ids)
+
+    @staticmethod
+    def _fast_path(tokenizer: Any, template: str) -> tokenizers.Tokenizer | None:
+        """The Rust tokenizer under a transformers one: the same ids without the wrapper's per-call overhead (a
+        few percent of a proxy's CPU). Used only if it agrees with the wrapper on text shaped like our prompts."""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if not isinstance(backend, tokenizers.Tokenizer):
+            return None
+        specials = [str(t) for t in getattr(tokenizer, "all_special_tokens", [])][:50]
+        probes = [
+            template[:4000],
+            "\n",
+            " ",
+            "  Hello,\n\nworld  ",
+            "é\u0301 — 東京 🙂\t",
+            *specials,
+            "".join(specials),
+        ]
+        for text in probes:
+            if backend.encode(text, add_special_tokens=False).ids != list(
+                tokenizer.encode(text, add_special_tokens=False)
+            ):
+                logger.info("tokenizer fast path disagrees with transformers; using transformers")
+                return None
+        return backend
 
     def render(
         self,
@@ -192,7 +235,7 @@ class TokenEngine:
             appended, tools, kwargs, self.called_tool_names(parent_completion_ids)
         )
         body = self.encode(messages_text + generation_text)
-        generation_ids = self.encode(generation_text)
+        generation_ids = self._encode_small(generation_text)
         split = len(body) - len(generation_ids)
         if generation_ids and body[split:] != generation_ids:
             split = len(body)  # the two merged across the edge: report them as one span
@@ -241,7 +284,7 @@ class TokenEngine:
     ) -> tuple[str, str]:
         base = self._synthetic_base(appended, called_names)
         extended = base + [template_message(m) for m in appended]
-        before = self.render(base, tools, add_generation_prompt=False, kwargs=kwargs)
+        before = self._render_base(base, tools, kwargs)
         without_prompt = self.render(extended, tools, add_generation_prompt=False, kwargs=kwargs)
         with_prompt = self.render(extended, tools, add_generation_prompt=True, kwargs=kwargs)
         if not without_prompt.startswith(before) or not with_prompt.startswith(without_prompt):
@@ -250,6 +293,21 @@ class TokenEngine:
                 f"family {self.family.name!r} cannot extend this conversation"
             )
         return without_prompt[len(before) :], with_prompt[len(without_prompt) :]
+
+    def _render_base(
+        self, base: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> str:
+        """The synthetic base repeats across turns (it depends on the tools, kwargs and called ids only)."""
+        try:
+            key = orjson.dumps([base, tools, kwargs], option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # e.g. an integer beyond 64 bits in a tool schema: just render
+            return self.render(base, tools, add_generation_prompt=False, kwargs=kwargs)
+        text = self._render_cache.get(key)
+        if text is None:
+            if len(self._render_cache) >= CACHE_ENTRIES:
+                self._render_cache.clear()
+            text = self._render_cache[key] = self.render(base, tools, add_generation_prompt=False, kwargs=kwargs)
+        return text
 
     @staticmethod
     def _synthetic_base(appended: list[ChatMessage], called_names: Sequence[str] = ()) -> list[dict[str, Any]]:

@@ -31,15 +31,23 @@ def session_file_name(session_id: str) -> str:
 class TrajectoryRecorder:
     def __init__(self, record_dir: str | os.PathLike[str]) -> None:
         self.record_dir = Path(record_dir)
+        self._checked: dict[str, Path] = {}
 
     def ensure_dir(self) -> None:
         self.record_dir.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, session_id: str) -> Path:
+        path = self._checked.get(session_id)
+        if path is not None:
+            return path
         path = self.record_dir / session_file_name(session_id)
-        # Belt and braces: the name above cannot contain a separator, but never trust it blindly.
+        # Belt and braces: the name above cannot contain a separator, but never trust it blindly. Checked once
+        # per session (resolving costs a syscall per path component); O_NOFOLLOW guards every open.
         if path.resolve().parent != self.record_dir.resolve():
             raise ValueError("session file would leave the record dir")
+        if len(self._checked) >= 65536:
+            self._checked.clear()
+        self._checked[session_id] = path
         return path
 
     def _append(self, session_id: str, line: str) -> None:
