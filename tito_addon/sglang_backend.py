@@ -156,7 +156,7 @@ class SglangBackend:
     def upstream_payload(cls, turn: BackendTurn, echo: bool = True) -> bytes:
         """The request bytes: the prompt's ids go in as ready JSON text instead of being re-encoded."""
         head = dumps(cls.upstream_body(turn, echo))
-        return head[:-1] + b',"input_ids":[' + turn.prompt.json + b"]}"
+        return b"".join((head[:-1], b',"input_ids":[', turn.prompt.json, b"]}"))  # one copy of a ~1 MB prompt
 
     async def must_echo(self, turn: BackendTurn) -> bool:
         """Whether this turn asks the server to echo its prompt ids (see the module docstring)."""

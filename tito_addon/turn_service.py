@@ -323,7 +323,9 @@ class TurnService:
         segment_reasoning = tuple(None for _ in prepared.appended) + (assistant.reasoning_text(),)
         tools_sha = tools_digest(prepared.request.tools)
         request = prepared.request
-        sampling = {k: v for k, v in request.model_dump(mode="json").items() if k in SAMPLING_KEYS and v is not None}
+        # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
+        dumped = request.model_dump(mode="json", include=set(SAMPLING_KEYS) & set(prepared.raw))
+        sampling = {k: v for k, v in dumped.items() if v is not None}
         record = TurnRecord(
             session_id=session.session_id,
             turn_id=session.next_turn_id,
