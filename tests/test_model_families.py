@@ -383,6 +383,54 @@ def test_pinned_date_and_its_override() -> None:
     assert "Current date: 2030-01-02\n" in engine.tokenizer.decode(other.ids)
 
 
+@pytest.mark.parametrize(
+    ("family", "stored", "requested", "changed"),
+    [
+        ("gpt-oss", {"reasoning_effort": "low"}, {"reasoning_effort": "high"}, True),
+        ("gpt-oss", {}, {"current_date": "2026-01-01"}, True),
+        ("gpt-oss", {}, {"unrelated": 1}, False),
+        ("deepseek-r1", {}, {"unrelated": 1}, False),
+        ("mistral", {}, {"unrelated": 1}, False),
+    ],
+)
+def test_kwargs_that_rerender_the_history_are_told_apart(family, stored, requested, changed) -> None:
+    engine = engine_for(family)
+    pinned = engine.pinned_kwargs
+    assert engine.history_changed({**pinned, **stored}, {**pinned, **requested}, TOOLS) is changed
+
+
+def test_a_changed_reasoning_effort_is_a_fresh_render_not_a_continuation() -> None:
+    """gpt-oss keeps `reasoning_effort` in the system message, which a continuation never re-renders: the turn
+    that changes it is served from scratch (a new root), so the model is told; unchanged kwargs continue."""
+    from tito_addon.backend_protocol import BackendResult
+    from tito_addon.session_tree import SessionStore
+    from tito_addon.sglang_backend import SglangBackend
+    from tito_addon.turn_service import TurnService
+    from tito_addon.upstream_client import UpstreamClient
+
+    engine = engine_for("gpt-oss")
+    service = TurnService(engine, SglangBackend(UpstreamClient()), SessionStore(), None)
+    headers = {"x-session-id": "effort"}
+    first = [{"role": "user", "content": "Hi"}]
+
+    def body(messages, effort):
+        return json.dumps({"messages": messages, "chat_template_kwargs": {"reasoning_effort": effort}}).encode()
+
+    prepared = service.prepare("/v1/chat/completions", headers, body(first, "low"))
+    completion = engine.encode("<|channel|>final<|message|>Hello!<|return|>")
+    message = {"role": "assistant", "content": "Hello!"}
+    service.commit(prepared, BackendResult(completion, [-0.1] * len(completion), message, "stop", {}), None)
+    follow = [*first, message, {"role": "user", "content": "More?"}]
+    same = service.prepare("/v1/chat/completions", headers, body(follow, "low"))
+    assert same.parent is not None and same.prompt.ids[: len(prepared.prompt.ids) + len(completion)] == (
+        prepared.prompt.ids + completion
+    )
+    changed = service.prepare("/v1/chat/completions", headers, body(follow, "high"))
+    assert changed.parent is None
+    assert "Reasoning: high" in engine.tokenizer.decode(changed.prompt.ids)
+    assert changed.prompt.ids == engine.first_turn([ChatMessage(**m) for m in follow], None, changed.kwargs).ids
+
+
 def test_gpt_oss_stops_without_a_generation_config() -> None:
     """A hub name (no local generation_config.json) still stops on <|call|>, so a tool call is never closed twice."""
     engine = TokenEngine(cached_tokenizer("gpt-oss"), FAMILIES["gpt-oss"], tokenizer_name="openai/gpt-oss-20b")

@@ -583,6 +583,23 @@ def test_request_template_kwargs_build_the_ids_and_reach_the_backend(proxy, fres
     assert not any(getattr(r, "reasoning_content", None) for r in [first.choices[0].message])
 
 
+def test_a_kwarg_that_shapes_only_the_generation_prompt_keeps_the_session_chained(proxy, fresh, record_dir) -> None:
+    """Qwen3 `enable_thinking` changes only the generation prompt: toggling it mid-session still extends the stored
+    ids (kwargs that re-render the history start a fresh root instead; see test_model_families)."""
+    sid = f"toggle-{uuid.uuid4().hex[:6]}"
+    client = agent(proxy, sid)
+    messages = [{"role": "user", "content": "Quick answer please."}]
+    first = client.chat.completions.create(
+        model="reference-model", messages=messages, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    messages += [echo(first.choices[0].message), {"role": "user", "content": "Now think it through."}]
+    client.chat.completions.create(model="reference-model", messages=messages)
+    session_file, ids = session_records(record_dir, sid)
+    assert [t.parent_turn_id for t in session_file.turns] == [None, 0]
+    assert ids[1][0][: len(ids[0][0]) + len(ids[0][1])] == ids[0][0] + ids[0][1]
+    assert [b["input_ids"] for b in fresh.received()] == [ids[0][0], ids[1][0]]
+
+
 def test_flow_files_carry_the_turn_metadata(replica, tmp_path) -> None:
     from mitmproxy import io as mitm_io
 

@@ -127,5 +127,6 @@ def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecor
             turn.finish_reason,
             turn.tools_sha256,
             turn_id=turn.turn_id,
+            template_kwargs=turn.chat_template_kwargs,
         )
     return nodes

@@ -9,12 +9,14 @@ siblings: there is no lost update and no version to check.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tito_addon.message_keys import MessageKey, reasoning_matches
 
@@ -64,6 +66,8 @@ class TurnNode:
     finish_reason: str | None
     # Digest of the request's tools, so a record line carries its tools only when they changed.
     tools_sha256: str | None = None
+    # The chat template kwargs the turn's prompt was built with (one shared dict per distinct value).
+    template_kwargs: dict[str, Any] | None = None
     children: ChildIndex = field(default_factory=ChildIndex)
 
     @property
@@ -137,6 +141,7 @@ class SessionStore:
         # experiments, never one session.
         self.auto_roots: dict[str, ChildIndex] = {}
         self.auto_prompts: dict[tuple[str, SegmentKey], Session] = {}
+        self._kwargs: dict[str, dict[str, Any]] = {}
         self.idle_timeout = idle_timeout
         self.max_sessions = max_sessions
 
@@ -225,6 +230,18 @@ class SessionStore:
             if self.auto_prompts.get((session.namespace, keys)) is session:
                 del self.auto_prompts[(session.namespace, keys)]
 
+    def _interned(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Every turn of a run usually has the same kwargs: keep one dict for them, not one per turn."""
+        if not kwargs:
+            return None
+        try:
+            key = json.dumps(kwargs, sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):
+            return dict(kwargs)
+        if len(self._kwargs) >= 1024 and key not in self._kwargs:
+            self._kwargs.clear()
+        return self._kwargs.setdefault(key, dict(kwargs))
+
     def new_session(self, session_id: str | None, namespace: str = "") -> Session:
         if session_id is None:
             return Session(session_id=uuid.uuid4().hex, automatic=True, namespace=namespace)
@@ -242,6 +259,7 @@ class SessionStore:
         finish_reason: str | None,
         tools_sha256: str | None = None,
         turn_id: int | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> TurnNode:
         """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
         live = self.sessions.setdefault(session.session_id, session)
@@ -259,6 +277,7 @@ class SessionStore:
             completion_ids=array("I", completion_ids),
             finish_reason=finish_reason,
             tools_sha256=tools_sha256,
+            template_kwargs=self._interned(template_kwargs),
         )
         live.next_turn_id = max(live.next_turn_id, turn_id + 1)
         live.turns += 1

@@ -98,6 +98,7 @@ class TokenEngine:
         self._fast: tokenizers.Tokenizer | None = None
         self._small_cache: dict[str, list[int]] = {}
         self._render_cache: dict[bytes, str] = {}
+        self._history_cache: dict[bytes, bool] = {}
         self.family = family
         self.append_roles = tuple(append_roles)
         self.pinned_kwargs = {**family.pinned_kwargs, **(pinned_kwargs or {})}
@@ -308,6 +309,34 @@ class TokenEngine:
                 self._render_cache.clear()
             text = self._render_cache[key] = self.render(base, tools, add_generation_prompt=False, kwargs=kwargs)
         return text
+
+    def history_changed(
+        self, stored: dict[str, Any], requested: dict[str, Any], tools: list[dict[str, Any]] | None
+    ) -> bool:
+        """Whether a stored turn built with `stored` kwargs renders its history differently under `requested`
+        ones. Kwargs that shape only the generation prompt (Qwen3 `enable_thinking`) do not; ones that shape the
+        system message or earlier turns (gpt-oss `reasoning_effort`, `current_date`) do."""
+        if stored == requested:
+            return False
+        try:
+            key = orjson.dumps([stored, requested, tools], option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            key = None
+        if key is not None and key in self._history_cache:
+            return self._history_cache[key]
+        history = [*self._synthetic_base([]), {"role": "user", "content": "And now?"}]
+        history[2] = {"role": "assistant", "content": "OK.", "reasoning_content": "Think."}
+        try:
+            changed = self.render(history, tools, add_generation_prompt=False, kwargs=stored) != self.render(
+                history, tools, add_generation_prompt=False, kwargs=requested
+            )
+        except TokenizationError:
+            changed = True  # cannot tell: a fresh render is always exact
+        if key is not None:
+            if len(self._history_cache) >= CACHE_ENTRIES:
+                self._history_cache.clear()
+            self._history_cache[key] = changed
+        return changed
 
     @staticmethod
     def _synthetic_base(appended: list[ChatMessage], called_names: Sequence[str] = ()) -> list[dict[str, Any]]:

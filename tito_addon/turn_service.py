@@ -205,6 +205,10 @@ class TurnService:
             # An edited or injected assistant message cannot extend stored ids: serve it as a fresh render,
             # a new root of the same session.
             parent, appended = None, messages
+        elif parent is not None and self.engine.history_changed(parent.template_kwargs or {}, kwargs, request.tools):
+            # Kwargs that render the stored history differently (gpt-oss `reasoning_effort` lives in the system
+            # message) would not reach the model through a continuation: a fresh render tells it, as a new root.
+            parent, appended = None, messages
         if parent is None:
             piece = self.engine.first_turn(messages, request.tools, kwargs)
         else:
@@ -371,6 +375,7 @@ class TurnService:
             result.completion_ids,
             result.finish_reason,
             tools_sha,
+            template_kwargs=prepared.kwargs,
         )
         prepared.prompt.remember(node, result.completion_ids)
         return node, record
