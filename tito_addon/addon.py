@@ -262,7 +262,8 @@ class TitoAddon:
         if getattr(ctx.options, "server_replay", None):
             return  # mitmproxy's own replay answers this flow
         path = flow.request.path
-        if self.settings is not None and self.backend_base_url(flow) is None:
+        base_url = self.backend_base_url(flow) if self.settings is not None else None
+        if self.settings is not None and base_url is None:
             return  # not a backend host: this flow is none of our business
         if flow.request.method != "POST" or not is_chat_path(path):
             if path.startswith("/sessions/"):
@@ -270,10 +271,10 @@ class TitoAddon:
             return
         try:
             reply = self._refuse_ambiguous_session(flow)
-            if reply is None and await self._go_live(flow):
+            if reply is None and await self._go_live(flow, base_url):
                 return
             if reply is None:
-                reply = await self._serve_cancellable(flow)
+                reply = await self._serve_cancellable(flow, base_url)
         except Exception:
             logger.exception("tito: unexpected failure")
             reply = json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
@@ -291,7 +292,7 @@ class TitoAddon:
         message = f"the {self.settings.session_header} header appears more than once; nothing was forwarded"
         return json_reply(400, BadRequest(message).body())
 
-    async def _go_live(self, flow: http.HTTPFlow) -> bool:
+    async def _go_live(self, flow: http.HTTPFlow, base_url: str | None) -> bool:
         """Hand a streaming turn to the live stream server, if the backend can stream exact ids."""
         if self.service is None:
             return False
@@ -305,7 +306,6 @@ class TitoAddon:
             wants_stream = json.loads(body).get("stream") is True
         except (ValueError, AttributeError, RecursionError):
             return False  # the ordinary path answers the bad body
-        base_url = self.backend_base_url(flow)
         headers = {k: v for k, v in flow.request.headers.items()}
         if not wants_stream or base_url is None or not await self.service.backend.can_stream(base_url, headers):
             return False
@@ -348,10 +348,10 @@ class TitoAddon:
         if flow.metadata.get("tito_live") and flow.response is not None:
             flow.response.stream = True  # relay the live server's chunks as they come
 
-    async def _serve_cancellable(self, flow: http.HTTPFlow) -> HttpReply | None:
+    async def _serve_cancellable(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | None:
         """Serve the turn as a task that a client disconnect cancels (None then): mitmproxy keeps running a
         request hook after its client has gone, and a turn nobody receives must not be recorded."""
-        task = asyncio_utils.create_task(self._serve(flow), name="tito-turn", keep_ref=True)
+        task = asyncio_utils.create_task(self._serve(flow, base_url), name="tito-turn", keep_ref=True)
         turns = self._turns.setdefault(flow.client_conn.id, set())
         turns.add(task)
         try:
@@ -368,7 +368,7 @@ class TitoAddon:
         for task in self._turns.pop(client.id, set()):
             task.cancel()
 
-    async def _serve(self, flow: http.HTTPFlow) -> HttpReply:
+    async def _serve(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply:
         if self.service is None:
             message = "tito_addon is not configured: set tito_tokenizer; nothing was forwarded"
             return json_reply(503, TitoError(message, status=503).body())
@@ -377,7 +377,6 @@ class TitoAddon:
         except ValueError:
             return json_reply(400, TitoError("request body has an invalid content-encoding", status=400).body())
         headers = {k: v for k, v in flow.request.headers.items()}
-        base_url = self.backend_base_url(flow)
         assert base_url is not None  # request() only serves flows to backend hosts
         return await self.service.handle(flow.request.path, headers, body, base_url)
 

@@ -71,12 +71,17 @@ class TurnRecord(BaseModel):
             raise ValueError("a turn records either appended_messages or appended_keys")
         return self
 
-    def dump_line(self) -> str:
+    def line_fields(self) -> dict[str, Any]:
+        """What the line holds, as plain JSON values (also the flow metadata of a `-w` capture)."""
         line = self.model_dump(by_alias=True)
         for name, default in OMITTED_AT_DEFAULT.items():
             if line[name] is default:
                 del line[name]
+        return line
+
+    def dump_line(self, fields: dict[str, Any] | None = None) -> str:
         # allow_nan=False: a NaN or Infinity must never reach a trainer disguised as JSON.
+        line = self.line_fields() if fields is None else fields
         return json.dumps(line, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from tito_addon.record_models import SessionCloseRecord, TurnRecord
 
@@ -65,8 +66,8 @@ class TrajectoryRecorder:
         finally:
             os.close(fd)
 
-    def write_turn(self, record: TurnRecord) -> None:
-        self._append(record.session_id, record.dump_line())
+    def write_turn(self, record: TurnRecord, fields: dict[str, Any] | None = None) -> None:
+        self._append(record.session_id, record.dump_line(fields))
 
     def close_session(self, session_id: str, turns: int, reason: str) -> None:
         record = SessionCloseRecord(session_id=session_id, turns=turns, reason=reason, ts=time.time())

@@ -243,7 +243,7 @@ class TurnService:
 
     def finish(self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str]) -> dict[str, Any]:
         """Commit a turn the backend completed; the flow metadata that describes it."""
-        node, record = self.commit(prepared, result, headers.get("x-request-id"))
+        node, fields = self.commit(prepared, result, headers.get("x-request-id"))
         self.sweep()  # a new session may have taken the store past its capacity
         return {
             "session_id": node.session.session_id,
@@ -252,7 +252,7 @@ class TurnService:
             "prompt_tokens": len(prepared.prompt),
             "completion_tokens": len(result.completion_ids),
             # The whole record line: a `-w` flow file is then enough to regenerate the trajectory (`-r`).
-            "record": record.model_dump(mode="json", by_alias=True),
+            "record": fields,
         }
 
     async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
@@ -309,8 +309,9 @@ class TurnService:
 
     def commit(
         self, prepared: PreparedTurn, result: BackendResult, request_id: str | None
-    ) -> tuple[TurnNode, TurnRecord]:
-        """Write the record line, then add the node. Synchronous, so no other turn can interleave."""
+    ) -> tuple[TurnNode, dict[str, Any]]:
+        """Write the record line, then add the node; returns the node and the line's fields. Synchronous, so no
+        other turn can interleave."""
         session = prepared.attachment.session
         if session is None and prepared.session_id is not None:
             session = self.store.sessions.get(prepared.session_id)
@@ -363,8 +364,9 @@ class TurnService:
                 family=self.engine.family.name,
             ),
         )
+        fields = record.line_fields()  # dumped once: for the line and for the flow metadata
         if self.recorder is not None:
-            self.recorder.write_turn(record)
+            self.recorder.write_turn(record, fields)
         node = self.store.commit(
             session,
             parent,
@@ -378,7 +380,7 @@ class TurnService:
             template_kwargs=prepared.kwargs,
         )
         prepared.prompt.remember(node, result.completion_ids)
-        return node, record
+        return node, fields
 
     def restore(self, session_id: str) -> None:
         """Rebuild a named session from its record file (after a restart or hot reload), so its turns
