@@ -47,15 +47,15 @@ def tokenizer_path(family: str) -> str:
 
 @functools.cache
 def cached_tokenizer(family: str):
-    from tito_addon.token_engine import load_tokenizer
+    from tito_addon.engine.token_engine import load_tokenizer
 
     return load_tokenizer(tokenizer_path(family), trust_remote_code=False)
 
 
 @functools.cache
 def cached_engine(tokenizer_family: str, family: str = "", roles: tuple[str, ...] = ("tool", "user", "system")):
-    from tito_addon.model_families import FAMILIES
-    from tito_addon.token_engine import TokenEngine
+    from tito_addon.engine.model_families import FAMILIES
+    from tito_addon.engine.token_engine import TokenEngine
 
     return TokenEngine(
         cached_tokenizer(tokenizer_family),
@@ -85,7 +85,7 @@ def credential_leaks(text: str, where: str) -> list[str]:
 def no_credentials_in_any_recording_or_log():
     """Across every test: no Authorization header value or API key in any mitmdump log or file a proxy recorded."""
     yield
-    from tito_addon.proxy_process import Mitmdump
+    from tito_addon.replicas.proxy_process import Mitmdump
 
     leaks: list[str] = []
     for proxy in Mitmdump.instances:

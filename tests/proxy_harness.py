@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tito_addon.proxy_process import REPO, Mitmdump
+from tito_addon.replicas.proxy_process import REPO, Mitmdump
 
 __all__ = ["REPO", "Mitmdump", "Reply", "get", "post"]
 

@@ -8,9 +8,9 @@ from mitmproxy import exceptions
 from mitmproxy.proxy.mode_specs import ProxyMode
 from mitmproxy.test import taddons, tflow, tutils
 
-from tito_addon import token_engine
-from tito_addon.addon import TitoAddon
-from tito_addon.backend_routes import normalize_backend_url
+from tito_addon.engine import token_engine
+from tito_addon.proxy.capture_addon import TitoAddon
+from tito_addon.backends.backend_routes import normalize_backend_url
 
 
 def configured(tctx, addon, **options):
@@ -83,7 +83,7 @@ def test_trust_remote_code_stays_off_unless_enabled(monkeypatch) -> None:
         seen.append(trust_remote_code)
         return real(name, trust_remote_code=trust_remote_code)
 
-    monkeypatch.setattr("tito_addon.addon.load_tokenizer", spy)
+    monkeypatch.setattr("tito_addon.proxy.capture_addon.load_tokenizer", spy)
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon)
@@ -157,8 +157,8 @@ async def test_an_unexpected_exception_is_answered_never_forwarded(monkeypatch) 
 
 
 def test_sessions_command_lists_live_sessions() -> None:
-    from tito_addon.message_keys import message_key
-    from tito_addon.wire_models import ChatMessage
+    from tito_addon.sessions.message_keys import message_key
+    from tito_addon.canonical_chat import ChatMessage
 
     addon = TitoAddon()
     with taddons.context(addon) as tctx:

@@ -15,9 +15,9 @@ import pytest
 from conftest import TOOLS, tokenizer_path
 from proxy_harness import Mitmdump, post
 
-from tito_addon.record_reader import read_session_file
-from tito_addon.trajectory_recorder import session_file_name
-from tito_addon.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+from tito_addon.records.record_reader import read_session_file
+from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 MODEL = "tiny-qwen3"
 
@@ -166,7 +166,7 @@ def test_backends_that_cannot_stream_exact_ids_get_a_reframed_stream(tmp_path: P
 
 
 def test_sglang_streams_live_with_sglext_ids_and_records_what_a_whole_turn_records(tmp_path: Path) -> None:
-    from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+    from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
     record_dir = tmp_path / "rec"
     with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica, Mitmdump(
@@ -201,7 +201,7 @@ def test_sglang_streams_live_with_sglext_ids_and_records_what_a_whole_turn_recor
 
 
 def test_sglang_before_0_5_20_gets_a_reframed_stream(tmp_path: Path) -> None:
-    from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+    from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
     config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), version="0.5.18")
     with ReplicaThread(config) as replica, Mitmdump(

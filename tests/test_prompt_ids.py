@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tito_addon.prompt_ids import EncodedPrefixes, PromptIds
-from tito_addon.session_tree import SessionStore
+from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
+from tito_addon.sessions.session_tree import SessionStore
 
 
 def chain(store: SessionStore, turns: int, prefixes: EncodedPrefixes | None):

@@ -14,9 +14,9 @@ from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump
 from upstream_tap import UpstreamTap
 
-from tito_addon.backend_routes import BackendRoutes, parse_backends
-from tito_addon.record_reader import iter_session_files
-from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+from tito_addon.backends.backend_routes import BackendRoutes, parse_backends
+from tito_addon.records.record_reader import iter_session_files
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 AGENT = REPO / "tests" / "agents" / "openai_python_agent.py"
 

@@ -16,9 +16,9 @@ from conftest import TOOLS, tokenizer_path
 from proxy_harness import Mitmdump, post
 from upstream_tap import UpstreamTap
 
-from tito_addon.record_reader import read_session_file
-from tito_addon.trajectory_recorder import session_file_name
-from tito_addon.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+from tito_addon.records.record_reader import read_session_file
+from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 MODEL = "tiny-qwen3"
 RENDER, GENERATE, DERENDER = "/v1/chat/completions/render", "/inference/v1/generate", "/v1/chat/completions/derender"

@@ -14,8 +14,8 @@ import pytest
 from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump
 
-from tito_addon.record_reader import iter_session_files
-from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+from tito_addon.records.record_reader import iter_session_files
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 NODE_DIR = REPO / "tests" / "node"
 

@@ -13,8 +13,8 @@ from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump
 from test_proxy_sglang import agent, run_agent
 
-from tito_addon.record_reader import iter_session_files
-from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+from tito_addon.records.record_reader import iter_session_files
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 
 @pytest.fixture(scope="module")

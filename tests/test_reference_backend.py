@@ -1,4 +1,4 @@
-"""Tests for tito_addon.reference_backend (the sglang replica) over the real Qwen3 tokenizer."""
+"""Tests for tito_addon.replicas.sglang_replica (the sglang replica) over the real Qwen3 tokenizer."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tito_addon.reference_backend import (
+from tito_addon.replicas.sglang_replica import (
     FAULT_NAMES,
     ReferenceBackend,
     ReplicaConfig,
@@ -572,7 +572,7 @@ def test_cli_serves_and_exits_on_sigterm(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tito_addon.reference_backend",
+            "tito_addon.replicas.sglang_replica",
             "--tokenizer",
             str(TOKENIZER_DIR),
             "--port",

@@ -11,7 +11,7 @@ from conftest import tokenizer_path
 from proxy_harness import Mitmdump, post
 from test_proxy_sglang import agent, run_agent
 
-from tito_addon.reference_backend import ReplicaConfig, ReplicaThread
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 
 def replay_proxy(record_dir: Path, cwd: Path, *options: str) -> Mitmdump:
@@ -85,7 +85,7 @@ def test_a_flow_file_regenerates_its_trajectories_offline(tmp_path: Path) -> Non
 
     from proxy_harness import REPO
 
-    from tito_addon.record_reader import iter_session_files
+    from tito_addon.records.record_reader import iter_session_files
 
     original, regenerated, flows = tmp_path / "rec", tmp_path / "regen", tmp_path / "flows.mitm"
     with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica, Mitmdump(

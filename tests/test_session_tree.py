@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tito_addon.message_keys import message_key, reasoning_matches
-from tito_addon.session_tree import SessionStore
-from tito_addon.wire_models import ChatMessage
+from tito_addon.sessions.message_keys import message_key, reasoning_matches
+from tito_addon.sessions.session_tree import SessionStore
+from tito_addon.canonical_chat import ChatMessage
 
 
 def M(**kw) -> ChatMessage:
@@ -177,7 +177,7 @@ def test_a_thousand_turn_history_is_located_without_recursion_limits() -> None:
 
 def test_lookup_cost_does_not_grow_with_the_number_of_sessions(monkeypatch) -> None:
     """Count candidate turns examined per lookup (not time): the same for 10 and for 2,000 live sessions."""
-    from tito_addon.session_tree import TurnNode
+    from tito_addon.sessions.session_tree import TurnNode
 
     examined = []
     real = TurnNode.reasoning_compatible

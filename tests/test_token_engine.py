@@ -8,11 +8,11 @@ import json
 import pytest
 from conftest import SHARED, TOOLS, cached_engine
 
-from tito_addon.message_keys import template_message
-from tito_addon.model_families import FAMILIES
+from tito_addon.sessions.message_keys import template_message
+from tito_addon.engine.model_families import FAMILIES
 from tito_addon.tito_errors import BadRequest, TokenizationError
-from tito_addon.token_engine import TokenEngine
-from tito_addon.wire_models import ChatMessage
+from tito_addon.engine.token_engine import TokenEngine
+from tito_addon.canonical_chat import ChatMessage
 
 
 def call(call_id: str, name: str, args: dict) -> dict:

@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import cached_tokenizer, tokenizer_path
 
-from tito_addon.cli import main
-from tito_addon.template_verifier import render_report, verify
+from tito_addon.tools.cli import main
+from tito_addon.tools.template_verifier import render_report, verify
 
 # tokenizer -> (does its own template pass as `default`?, the family the verifier recommends)
 EXPECTED = {

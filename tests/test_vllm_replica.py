@@ -1,4 +1,4 @@
-"""Tests for tito_addon.vllm_replica (the vLLM scale-out replica) over the real Qwen3 tokenizer.
+"""Tests for tito_addon.replicas.vllm_replica (the vLLM scale-out replica) over the real Qwen3 tokenizer.
 
 The 0.32 mode is checked field by field against the bodies recorded from a live vLLM 0.32.0
 (``shared/vllm_scale_out_examples``); 0.24 mode against wire-formats.md section 2.
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tito_addon.vllm_replica import (
+from tito_addon.replicas.vllm_replica import (
     VllmReplica,
     VllmReplicaConfig,
     VllmReplicaThread,

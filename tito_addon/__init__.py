@@ -15,8 +15,8 @@ if __name__.startswith("__mitmproxy_script__."):
         _sys.path.insert(0, _root)
     for _name in [n for n in _sys.modules if n == "tito_addon" or n.startswith("tito_addon.")]:
         del _sys.modules[_name]
-    from tito_addon.addon import TitoAddon as _TitoAddon
-    from tito_addon.replay_addon import TitoReplay as _TitoReplay
+    from tito_addon.proxy.capture_addon import TitoAddon as _TitoAddon
+    from tito_addon.proxy.replay_addon import TitoReplay as _TitoReplay
 
     # Replay first: a recorded answer is served before the capture addon would go to the backend.
     addons = [_TitoReplay(), _TitoAddon()]

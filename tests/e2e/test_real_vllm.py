@@ -27,7 +27,7 @@ from conftest import TOOLS, tokenizer_path
 from proxy_harness import REPO, Mitmdump
 from upstream_tap import UpstreamTap
 
-from tito_addon.record_reader import read_session_file
+from tito_addon.records.record_reader import read_session_file
 
 pytestmark = pytest.mark.e2e
 

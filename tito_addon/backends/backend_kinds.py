@@ -1,0 +1,18 @@
+"""The backend kinds the addon can drive, by option value."""
+
+from __future__ import annotations
+
+from tito_addon.backends.backend_protocol import Backend
+from tito_addon.backends.sglang_backend import SglangBackend
+from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.backends.vllm_backend import VllmBackend
+
+BACKENDS: dict[str, type[SglangBackend] | type[VllmBackend]] = {"sglang": SglangBackend, "vllm": VllmBackend}
+
+
+def make_backend(kind: str, client: UpstreamClient, *, verify_echo: bool = False) -> Backend:
+    if kind == "sglang":
+        return SglangBackend(client, verify_echo=verify_echo)
+    if kind == "vllm":
+        return VllmBackend(client)
+    raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

@@ -1,0 +1,396 @@
+"""vLLM (>= 0.24): token-exact turns through the scale-out chain render -> generate -> derender.
+
+vLLM's own chat endpoint silently ignores unknown fields, so an `input_ids` there would be dropped and the
+messages re-tokenized. Instead:
+
+1. `/v1/chat/completions/render` resolves the sampling params server-side; its from-scratch `token_ids` are
+   only compared with ours (the per-turn drift signal, `render_skew`).
+2. `/inference/v1/generate` runs on our exact prompt ids and returns the exact completion ids + logprobs.
+3. `/v1/chat/completions/derender` turns those ids into the chat completion the agent receives, with the
+   server's tool and reasoning parsers (they read `tools`/`tool_choice` from `chat_request`).
+
+What the server speaks is read from `GET /version` once per backend, never guessed: 0.30+ is asked to echo
+the prompt ids it ran on (checked against ours), 0.32+ gets `prompt_token_ids` on derender; both logprob
+shapes (0.24-0.31 `"token_id:N"` strings, 0.32+ integer `token_id`) are read and cross-checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tito_addon.backends.backend_protocol import (
+    BackendResult,
+    BackendTurn,
+    StreamEnd,
+    checked_ids,
+    checked_logprobs,
+    checked_message,
+    stream_end,
+    trajectory_message,
+)
+from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
+from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
+from tito_addon.canonical_chat import ChatRequest
+
+logger = logging.getLogger(__name__)
+
+RENDER_PATH = "/v1/chat/completions/render"
+GENERATE_PATH = "/inference/v1/generate"
+DERENDER_PATH = "/v1/chat/completions/derender"
+# vLLM's SamplingParams default: render leaves a requested max_tokens of exactly 16 out of sampling_params,
+# and generate then runs to the context limit.
+RENDER_DROPPED_MAX_TOKENS = 16
+_TOKEN_ID_STRING = re.compile(r"^token_id:(\d+)$")
+
+
+class ScaleOutDisabled(TitoError):
+    status = 502
+    error_type = "vllm_scale_out_disabled"
+
+
+@dataclass(frozen=True)
+class VllmVersion:
+    text: str | None
+    major_minor: tuple[int, int] | None
+
+    def at_least(self, major: int, minor: int) -> bool:
+        return self.major_minor is not None and self.major_minor >= (major, minor)
+
+
+def parse_version(text: str | None) -> VllmVersion:
+    match = re.match(r"^\s*v?(\d+)\.(\d+)", text or "")
+    return VllmVersion(text, (int(match.group(1)), int(match.group(2))) if match else None)
+
+
+def render_skew(render_ids: Any, prompt_ids: list[int]) -> dict[str, Any] | None:
+    """Does vLLM's from-scratch render equal our ids? None when render returned no usable ids."""
+    if not isinstance(render_ids, list) or not all(type(i) is int for i in render_ids):
+        return None
+    if render_ids == prompt_ids:
+        return {"equal": True, "first_divergence": None}
+    first = next((i for i, (a, b) in enumerate(zip(render_ids, prompt_ids, strict=False)) if a != b), None)
+    return {"equal": False, "first_divergence": min(len(render_ids), len(prompt_ids)) if first is None else first}
+
+
+class VllmBackend:
+    kind = "vllm"
+
+    def __init__(self, client: UpstreamClient) -> None:
+        self.client = client
+        self._versions: dict[str, VllmVersion] = {}
+
+    def check_request(self, request: ChatRequest) -> None:
+        if not request.model:
+            raise BadRequest("model is required with the vLLM backend (derender needs it to name the served model)")
+
+    async def version(self, base_url: str, headers: dict[str, str]) -> VllmVersion:
+        known = self._versions.get(base_url)
+        if known is not None:
+            return known
+        try:
+            response = await self.client.get(base_url + "/version", headers)
+            text = response.json().get("version") if response.status == 200 else None
+        except (TitoError, ValueError, AttributeError):
+            text = None
+        version = parse_version(text if isinstance(text, str) else None)
+        if version.major_minor is None:
+            logger.warning("tito: %s did not say its vLLM version; using only the 0.24 wire features", base_url)
+        else:
+            logger.info("tito: %s speaks vLLM %s", base_url, version.text)
+        self._versions[base_url] = version
+        return version
+
+    @staticmethod
+    def chat_request(turn: BackendTurn) -> dict[str, Any]:
+        """The agent's chat body, forced to what the chain needs (also what derender's parsers read)."""
+        chat = {k: v for k, v in turn.chat_body.items() if k not in ("stream_options", "input_ids")}
+        chat["stream"] = False
+        chat["logprobs"] = True
+        if chat.get("top_logprobs") is None:
+            # openai-python sends an explicit null; render would then map sampling logprobs to null, and
+            # generate would return no logprobs at all.
+            chat["top_logprobs"] = 0
+        return chat
+
+    async def _call(
+        self, url: str, body: dict[str, Any], headers: dict[str, str], step: str
+    ) -> tuple[dict[str, Any], bytes]:
+        response: UpstreamResponse = await self.client.post_json(url, body, headers)
+        if response.status == 403:
+            raise ScaleOutDisabled(
+                f"vLLM refused {step} (403): start the server with --enable-scale-out (vLLM >= 0.30 registers "
+                "render, generate and derender only with that flag)"
+            )
+        if response.status != 200:
+            raise UpstreamPassthrough(response.status, response.body, response.content_type)
+        try:
+            parsed = response.json()
+        except ValueError as exc:
+            raise UpstreamMalformed(f"vLLM {step} answered 200 with a body that is not JSON") from exc
+        if not isinstance(parsed, dict):
+            raise UpstreamMalformed(f"vLLM {step} answered 200 with JSON that is not an object")
+        return parsed, response.body
+
+    async def run_turn(self, turn: BackendTurn) -> BackendResult:
+        version = await self.version(turn.base_url, turn.headers)
+        chat = self.chat_request(turn)
+        generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
+        skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
+        generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version)
+        generated, _ = await self._call(turn.base_url + GENERATE_PATH, generate_request, turn.headers, "generate")
+        completion_ids, logprobs, finish = self.harvest_generate(generated, turn.prompt_ids)
+        derender_request: dict[str, Any] = {
+            "model": chat["model"],
+            "generate_response": generated,
+            "prompt_tokens": len(turn.prompt_ids),  # 0.24's generate response has no usage
+            "chat_request": chat,
+        }
+        if version.at_least(0, 32):
+            derender_request["prompt_token_ids"] = turn.prompt_ids
+        completion, raw = await self._call(turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender")
+        asked_logprobs = bool(turn.chat_body.get("logprobs"))
+        eos_text = turn.stop_texts.get(completion_ids[-1]) if finish == "stop" else None
+        return self.harvest_derender(
+            completion, raw, completion_ids, logprobs, finish, skew, version, asked_logprobs, eos_text
+        )
+
+    async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
+        # 0.31 added streaming derender with the tool and reasoning parsers.
+        return (await self.version(base_url, headers)).at_least(0, 31)
+
+    async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
+        """Streaming generate on our ids; each generate chunk goes through streaming derender (parsers
+        included) and on to the agent. Ids and logprobs come from generate, exactly as in a whole turn."""
+        version = await self.version(turn.base_url, turn.headers)
+        chat = self.chat_request(turn)
+        rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
+        skew = render_skew(rendered.get("token_ids"), turn.prompt_ids)
+        request = self.generate_request(rendered, chat, turn.prompt_ids, version)
+        request["stream"] = True
+        request["stream_options"] = {"include_usage": True}
+        ids: list[int] = []
+        values: list[Any] = []
+        accumulated = MessageAccumulator()
+        state: Any = None
+        finish: Any = None
+        base: dict[str, Any] = {}
+        asked_logprobs = bool(turn.chat_body.get("logprobs"))
+        held = LeadingWhitespace()
+        events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
+        try:
+            async for event in events:
+                if "error" in event:
+                    raise UpstreamMalformed(f"vLLM generate stream failed: {str(event['error'])[:300]}")
+                echoed = event.get("prompt_token_ids")
+                if echoed is not None and echoed != turn.prompt_ids:
+                    raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
+                choices = event.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                delta_ids = choice.get("token_ids") or []
+                if not isinstance(delta_ids, list) or not all(type(i) is int and i >= 0 for i in delta_ids):
+                    raise UpstreamMalformed("vLLM generate streamed token ids that are not non-negative integers")
+                entries = (choice.get("logprobs") or {}).get("content")
+                if not isinstance(entries, list) or len(entries) != len(delta_ids):
+                    raise UpstreamMalformed("vLLM generate streamed a chunk whose logprobs do not match its ids")
+                for entry, token_id in zip(entries, delta_ids, strict=True):
+                    if not isinstance(entry, dict) or _entry_token_id(entry) not in (None, token_id):
+                        raise UpstreamMalformed("vLLM generate streamed a logprob for another token")
+                    values.append(entry.get("logprob"))
+                ids += delta_ids
+                finish = choice.get("finish_reason") or finish
+                derender_request = {
+                    "stream": True,
+                    "model": chat["model"],
+                    "generate_chunk": event,
+                    "stream_state": state,
+                    "prompt_tokens": len(turn.prompt_ids),
+                    "prompt_token_ids": turn.prompt_ids,
+                    "chat_request": chat,
+                }
+                derendered, _ = await self._call(
+                    turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
+                )
+                state = derendered.get("stream_state")
+                chunk = derendered.get("chunk")
+                if not isinstance(chunk, dict):
+                    continue
+                base = base or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+                # The finish chunk is ours to send, after the commit; the stop token's text never shows.
+                parts = [{**c, "finish_reason": None} for c in chunk.get("choices") or [] if isinstance(c, dict)]
+                eos_text = turn.stop_texts.get(delta_ids[-1]) if finish == "stop" and delta_ids else None
+                if eos_text:
+                    parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
+                if not asked_logprobs:
+                    parts = [{**c, "logprobs": None} for c in parts]
+                parts = [{**c, "delta": held.take(c.get("delta") or {})} for c in parts]
+                chunk = {**chunk, "choices": parts}
+                accumulated.add_chunk(chunk)
+                cleaned = clean_delta_chunk(chunk)
+                if cleaned is not None:
+                    yield cleaned
+        finally:
+            await events.aclose()
+        completion_ids = checked_ids(ids, "completion token ids")
+        logprobs = checked_logprobs(values, len(completion_ids))
+        if held.pending and not accumulated.calls:
+            # Only whitespace came as content and no tool call followed: it is the content after all.
+            late = {**base, "choices": [{"index": 0, "delta": {"content": held.pending}, "finish_reason": None}]}
+            accumulated.add_chunk(late)
+            yield late
+        message = accumulated.message()
+        finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
+        extra = {"render_skew": skew, "backend_version": version.text}
+        yield stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra)
+
+    @staticmethod
+    def generate_request(
+        rendered: dict[str, Any], chat: dict[str, Any], prompt_ids: list[int], version: VllmVersion
+    ) -> dict[str, Any]:
+        request = dict(rendered)
+        request["token_ids"] = prompt_ids
+        request["stream"] = False  # render copies the chat request's flag
+        request.pop("stream_options", None)
+        sampling = request.get("sampling_params")
+        if not isinstance(sampling, dict):
+            raise UpstreamMalformed("vLLM render answered without sampling_params")
+        sampling = dict(sampling)
+        wanted = chat.get("max_completion_tokens") or chat.get("max_tokens")
+        if isinstance(wanted, int) and "max_tokens" not in sampling:
+            sampling["max_tokens"] = wanted  # vLLM render drops exactly 16 (the SamplingParams default)
+        request["sampling_params"] = sampling
+        if version.at_least(0, 30):
+            request["return_token_ids"] = True  # so generate proves which prompt it ran on
+        return request
+
+    @staticmethod
+    def harvest_generate(generated: dict[str, Any], prompt_ids: list[int]) -> tuple[list[int], list[float], Any]:
+        choices = generated.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise UpstreamMalformed("vLLM generate answered without choices")
+        choice = choices[0]
+        echoed = generated.get("prompt_token_ids")
+        if echoed is not None and echoed != prompt_ids:
+            raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent; nothing was recorded")
+        completion_ids = checked_ids(choice.get("token_ids"), "completion token ids")
+        block = choice.get("logprobs")
+        entries = block.get("content") if isinstance(block, dict) else None
+        if not isinstance(entries, list):
+            raise UpstreamMalformed("vLLM generate answered without logprobs (the chain forces logprobs on)")
+        if len(entries) != len(completion_ids):
+            raise UpstreamMalformed(
+                f"vLLM generate returned {len(entries)} logprobs for {len(completion_ids)} completion tokens"
+            )
+        values = []
+        for position, (entry, token_id) in enumerate(zip(entries, completion_ids, strict=True)):
+            if not isinstance(entry, dict):
+                raise UpstreamMalformed("vLLM generate returned a logprob entry that is not an object")
+            if _entry_token_id(entry) not in (None, token_id):
+                raise UpstreamMalformed(f"vLLM generate logprob {position} is for another token than token_ids says")
+            values.append(entry.get("logprob"))
+        return completion_ids, checked_logprobs(values, len(completion_ids)), choice.get("finish_reason")
+
+    @staticmethod
+    def harvest_derender(
+        completion: dict[str, Any],
+        raw: bytes,
+        completion_ids: list[int],
+        logprobs: list[float],
+        generate_finish: Any,
+        skew: dict[str, Any] | None,
+        version: VllmVersion,
+        asked_logprobs: bool,
+        eos_text: str | None = None,
+    ) -> BackendResult:
+        choices = completion.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise UpstreamMalformed("vLLM derender answered without choices: not a chat completion")
+        raw_message = choices[0].get("message")
+        checked_message(raw_message)
+        rewritten = False
+        fixed_choices = []
+        for index, choice in enumerate(choices):
+            message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+            if index == 0 and eos_text:
+                trimmed = _without_eos_text(message, eos_text)
+                if trimmed is not message:
+                    # derender detokenizes the stop token when special tokens are kept (tools present);
+                    # vLLM's own chat endpoint never shows it.
+                    message = trimmed
+                    choice = {**choice, "message": message}
+                    raw_message = message
+                    rewritten = True
+            if message.get("tool_calls") and choice.get("finish_reason") == "stop":
+                # Parity with vLLM's own chat endpoint (derender <= 0.32 passes "stop" through).
+                choice = {**choice, "finish_reason": "tool_calls"}
+                rewritten = True
+            if not asked_logprobs and choice.get("logprobs") is not None:
+                choice = {**choice, "logprobs": None}  # forced on for the record, not asked for by the agent
+                rewritten = True
+            fixed_choices.append(choice)
+        agent_body = {**completion, "choices": fixed_choices} if rewritten else completion
+        finish_reason = fixed_choices[0].get("finish_reason", generate_finish)
+        if finish_reason is not None and not isinstance(finish_reason, str):
+            raise UpstreamMalformed("vLLM derender returned a finish_reason that is not a string")
+        return BackendResult(
+            completion_ids=completion_ids,
+            completion_logprobs=logprobs,
+            message=trajectory_message(raw_message),
+            finish_reason=finish_reason,
+            agent_body=agent_body,
+            agent_bytes=None if rewritten else raw,
+            usage=completion.get("usage") if isinstance(completion.get("usage"), dict) else None,
+            extra={"render_skew": skew, "backend_version": version.text},
+        )
+
+
+class LeadingWhitespace:
+    """Holds back content that is only whitespace so far (the blank line between `</think>` and a tool call).
+
+    Whole-turn derender drops such content when tool calls follow; streaming derender has already sent it. Holding
+    it until real text arrives makes a streamed turn accumulate to the same message as a whole one."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.flushed = False
+
+    def take(self, delta: dict[str, Any]) -> dict[str, Any]:
+        content = delta.get("content")
+        if self.flushed or not isinstance(content, str) or not content:
+            return delta
+        if not content.strip():
+            self.pending += content
+            return {**delta, "content": None}
+        self.flushed = True
+        content, self.pending = self.pending + content, ""
+        return {**delta, "content": content}
+
+
+def _without_eos_text(message: dict[str, Any], eos_text: str) -> dict[str, Any]:
+    """The message with the stop token's literal text removed from the end of its last text field."""
+    for key in ("content", "reasoning", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            if value.endswith(eos_text):
+                return {**message, key: value[: -len(eos_text)]}
+            return message
+    return message
+
+
+def _entry_token_id(entry: dict[str, Any]) -> int | None:
+    """The token id a logprob entry is about: 0.32+ `token_id`, earlier `"token": "token_id:N"`."""
+    value = entry.get("token_id")
+    if type(value) is int:
+        return value
+    token = entry.get("token")
+    if isinstance(token, str):
+        match = _TOKEN_ID_STRING.match(token)
+        if match:
+            return int(match.group(1))
+    return None

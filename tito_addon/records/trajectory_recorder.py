@@ -1,0 +1,74 @@
+"""Writes committed turns to `<record_dir>/<session file>.jsonl`, one flushed line per turn.
+
+Each line is written with a single `os.write` on an `O_APPEND` descriptor, so concurrent sessions never
+interleave inside a line and a line is in the kernel before the agent receives its answer. File names are
+derived from session ids so that no client-supplied id can name a path outside the record dir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from tito_addon.records.record_models import SessionCloseRecord, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def session_file_name(session_id: str) -> str:
+    """A file name that is the id itself when harmless, else a digest of it; never a path."""
+    if _SAFE_NAME.fullmatch(session_id) and ".." not in session_id:
+        return f"{session_id}.jsonl"
+    return f"sid-{hashlib.sha256(session_id.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}.jsonl"
+
+
+class TrajectoryRecorder:
+    def __init__(self, record_dir: str | os.PathLike[str]) -> None:
+        self.record_dir = Path(record_dir)
+        self._checked: dict[str, Path] = {}
+
+    def ensure_dir(self) -> None:
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, session_id: str) -> Path:
+        path = self._checked.get(session_id)
+        if path is not None:
+            return path
+        path = self.record_dir / session_file_name(session_id)
+        # Belt and braces: the name above cannot contain a separator, but never trust it blindly. Checked once
+        # per session (resolving costs a syscall per path component); O_NOFOLLOW guards every open.
+        if path.resolve().parent != self.record_dir.resolve():
+            raise ValueError("session file would leave the record dir")
+        if len(self._checked) >= 65536:
+            self._checked.clear()
+        self._checked[session_id] = path
+        return path
+
+    def _append(self, session_id: str, line: str) -> None:
+        self.ensure_dir()
+        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.path_for(session_id), flags, 0o644)
+        try:
+            data = (line + "\n").encode("utf-8")
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a line torn by a crash stays its own (skipped) line
+            written = os.write(fd, data)
+            while written < len(data):  # only on exotic filesystems; keep the line whole
+                written += os.write(fd, data[written:])
+        finally:
+            os.close(fd)
+
+    def write_turn(self, record: TurnRecord, fields: dict[str, Any] | None = None) -> None:
+        self._append(record.session_id, record.dump_line(fields))
+
+    def close_session(self, session_id: str, turns: int, reason: str) -> None:
+        record = SessionCloseRecord(session_id=session_id, turns=turns, reason=reason, ts=time.time())
+        self._append(session_id, record.model_dump_json(by_alias=True))

@@ -1,0 +1,133 @@
+"""Runs the addon in a real `mitmdump` subprocess on a loopback port, as users run it.
+
+Used by `python -m tito_addon demo` and by the integration tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import ClassVar
+
+REPO = Path(__file__).resolve().parents[2]
+LISTEN = re.compile(r"listening at (?:\S+? )?\[?127\.0\.0\.1\]?:(\d+)")
+
+
+class Mitmdump:
+    """`mitmdump -s tito_addon/__init__.py` (or `python -m tito_addon`) in reverse mode, run from `cwd`."""
+
+    #: Every instance made in this process, so a test session can audit all their logs and recordings at the end.
+    instances: ClassVar[list[Mitmdump]] = []
+
+    def __init__(
+        self,
+        backend_url: str,
+        *,
+        tokenizer: str,
+        record_dir: Path,
+        cwd: Path,
+        family: str = "qwen3",
+        options: dict[str, str] | None = None,
+        via_module: bool = False,
+        extra_args: list[str] | None = None,
+        mode: str | None = None,
+    ) -> None:
+        settings = {
+            "tito_tokenizer": tokenizer,
+            "tito_model_family": family,
+            "tito_record_dir": str(record_dir),
+            **(options or {}),
+        }
+        common = ["--mode", mode or f"reverse:{backend_url}", "--listen-host", "127.0.0.1", "-p", "0"]
+        for key, value in settings.items():
+            common += ["--set", f"{key}={value}"]
+        common += extra_args or []
+        if via_module:
+            self.argv = [sys.executable, "-m", "tito_addon", *common]
+        else:
+            mitmdump = Path(sys.executable).with_name("mitmdump")
+            script = REPO / "tito_addon" / "__init__.py"
+            self.argv = [str(mitmdump), "-s", str(script), "--set", "connection_strategy=lazy", *common]
+        env = dict(os.environ)
+        if via_module:
+            env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self.env = env
+        self.cwd = cwd
+        self.record_dir = Path(record_dir)
+        Mitmdump.instances.append(self)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 90.0) -> Mitmdump:
+        self.proc = subprocess.Popen(
+            self.argv, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        found = threading.Event()
+
+        def drain() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                match = LISTEN.search(line)
+                if match and self.port is None:
+                    self.port = int(match.group(1))
+                    found.set()
+            found.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not found.wait(0.1):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("mitmdump did not start:\n" + self.output())
+        if self.port is None:
+            self.stop()
+            raise RuntimeError("mitmdump exited:\n" + self.output())
+        return self
+
+    def run_to_exit(self, timeout: float = 90.0) -> tuple[int, str]:
+        """For a configuration that must be refused: wait for the process to exit on its own."""
+        result = subprocess.run(
+            self.argv, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+        return result.returncode, result.stdout
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> int | None:
+        """SIGKILL, as a crash would: no shutdown hook runs, nothing is flushed or closed by the process."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> Mitmdump:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

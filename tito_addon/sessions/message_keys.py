@@ -1,0 +1,68 @@
+"""How messages are compared (to find the stored turn a request extends) and prepared for a template.
+
+Matching compares role, content, tool calls (id, name and parsed arguments) and, separately, reasoning:
+clients drop or rename reasoning when they echo an assistant message, so a side without reasoning matches
+and `reasoning_content`/`reasoning` are one key. null, "" and [] are equal; whitespace is significant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tito_addon.canonical_chat import ChatMessage, parse_arguments
+
+# A 128-bit digest, not the text: the session tree of every live session holds one key per message, and tool
+# results are often kilobytes; a recording made without message text keeps the keys (as hex) instead.
+MessageKey = bytes
+KEY_BYTES = 16
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _field(parts: list[bytes], text: str) -> None:
+    # Length-prefixed, so no choice of texts can make two different messages feed the same bytes.
+    data = text.encode("utf-8", "surrogatepass")
+    parts += (b"%d:" % len(data), data)
+
+
+def message_key(message: ChatMessage) -> MessageKey:
+    """Identity of a message, reasoning excluded (see `reasoning_matches`): a digest of its role, text and tool
+    calls (id, name, parsed arguments)."""
+    parts: list[bytes] = []
+    _field(parts, message.role)
+    _field(parts, message.text() or "")
+    for call in message.tool_calls or ():
+        _field(parts, call.id or "")
+        _field(parts, call.function.name)
+        _field(parts, _canonical_json(parse_arguments(call.function.arguments)))
+    return hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
+
+
+def reasoning_matches(stored: str | None, incoming: str | None) -> bool:
+    return not stored or not incoming or stored == incoming
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """The dict a chat template sees: content as a string, arguments parsed, reasoning under one key."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    reasoning = message.reasoning_text()
+    if reasoning is not None and message.role == "assistant":
+        rendered["reasoning_content"] = reasoning
+    return rendered

@@ -1,0 +1,297 @@
+"""Sessions as trees of turns, and the index that finds the turn a request extends.
+
+A turn node holds only what it added: the prompt ids after its parent's completion and its own completion
+ids (as compact arrays), so memory grows with the tokens of a tree, not with turns x history. A request
+attaches at the deepest stored turn whose whole message history it repeats; what it appends becomes a new
+child. Nodes are never modified or removed, so concurrent requests that extend the same turn simply become
+siblings: there is no lost update and no version to check.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tito_addon.sessions.message_keys import MessageKey, reasoning_matches
+
+SegmentKey = tuple[MessageKey, ...]
+
+
+class ChildIndex:
+    """Children of one position, found by the keys of the messages they add (appended + assistant)."""
+
+    __slots__ = ("by_length",)
+
+    def __init__(self) -> None:
+        self.by_length: dict[int, dict[SegmentKey, list[TurnNode]]] = {}
+
+    def add(self, node: TurnNode) -> None:
+        self.by_length.setdefault(len(node.segment_keys), {}).setdefault(node.segment_keys, []).append(node)
+
+    def remove(self, node: TurnNode) -> None:
+        table = self.by_length.get(len(node.segment_keys), {})
+        nodes = table.get(node.segment_keys, [])
+        if node in nodes:
+            nodes.remove(node)
+            if not nodes:
+                del table[node.segment_keys]
+            if not table:
+                self.by_length.pop(len(node.segment_keys), None)
+
+    def candidates(self, keys: Sequence[MessageKey], start: int) -> Iterable[TurnNode]:
+        for length, table in self.by_length.items():
+            if start + length <= len(keys):
+                yield from table.get(tuple(keys[start : start + length]), ())
+
+    def __len__(self) -> int:
+        return sum(len(nodes) for table in self.by_length.values() for nodes in table.values())
+
+
+@dataclass(eq=False)
+class TurnNode:
+    session: Session
+    turn_id: int
+    parent: TurnNode | None
+    message_end: int
+    segment_keys: SegmentKey
+    segment_reasoning: tuple[str | None, ...]
+    added_ids: array
+    completion_ids: array
+    finish_reason: str | None
+    # Digest of the request's tools, so a record line carries its tools only when they changed.
+    tools_sha256: str | None = None
+    # The chat template kwargs the turn's prompt was built with (one shared dict per distinct value).
+    template_kwargs: dict[str, Any] | None = None
+    children: ChildIndex = field(default_factory=ChildIndex)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.end_len - len(self.completion_ids)
+
+    @property
+    def end_len(self) -> int:
+        total = 0
+        node: TurnNode | None = self
+        while node is not None:
+            total += len(node.added_ids) + len(node.completion_ids)
+            node = node.parent
+        return total
+
+    def full_ids(self) -> list[int]:
+        """Prompt + completion ids of this turn, exactly as the model saw and produced them."""
+        chain = []
+        node: TurnNode | None = self
+        while node is not None:
+            chain.append(node)
+            node = node.parent
+        out = array("I")
+        for node in reversed(chain):
+            out.extend(node.added_ids)
+            out.extend(node.completion_ids)
+        return out.tolist()
+
+    def reasoning_compatible(self, reasonings: Sequence[str | None], start: int) -> bool:
+        return all(reasoning_matches(stored, reasonings[start + i]) for i, stored in enumerate(self.segment_reasoning))
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    automatic: bool
+    namespace: str = ""
+    roots: ChildIndex = field(default_factory=ChildIndex)
+    next_turn_id: int = 0
+    turns: int = 0
+    tokens: int = 0
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    inflight: int = 0
+    # First-request keys under which this (automatic) session is indexed as a prompt group.
+    prompt_keys: list[SegmentKey] = field(default_factory=list)
+    root_nodes: list[TurnNode] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Where a request attaches: its session (None: a new one) and the turn it extends (None: a first turn)."""
+
+    session: Session | None
+    parent: TurnNode | None
+    matched: int  # messages covered by the parent's history
+    ambiguous: bool = False
+
+
+class SessionStore:
+    """All live sessions in least-recently-used order, with prefix indexes over automatic sessions.
+
+    `auto_roots` finds the session a request continues from its messages alone; `auto_prompts` groups identical
+    first requests (a GRPO group, or retries) into one session whose samples are sibling roots. Lookups cost
+    what the request's messages cost to hash, whatever the number of live sessions.
+    """
+
+    def __init__(self, *, idle_timeout: float = 0.0, max_sessions: int = 0) -> None:
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        # Automatic sessions live in namespaces (backend + model): the same prompt sent to two models is two
+        # experiments, never one session.
+        self.auto_roots: dict[str, ChildIndex] = {}
+        self.auto_prompts: dict[tuple[str, SegmentKey], Session] = {}
+        self._kwargs: dict[str, dict[str, Any]] = {}
+        self.idle_timeout = idle_timeout
+        self.max_sessions = max_sessions
+
+    def locate(
+        self,
+        session_id: str | None,
+        keys: Sequence[MessageKey],
+        reasonings: Sequence[str | None],
+        namespace: str = "",
+    ) -> Attachment:
+        if session_id is not None:
+            session = self.sessions.get(session_id)
+            if session is None:
+                return Attachment(None, None, 0)
+            node, ambiguous = self._deepest(session.roots, keys, reasonings)
+            return Attachment(session, node, node.message_end if node else 0, ambiguous)
+        node, ambiguous = self._deepest(self.auto_roots.get(namespace, ChildIndex()), keys, reasonings)
+        if node is None:
+            return Attachment(self.prompt_group(namespace, keys), None, 0)
+        return Attachment(node.session, node, node.message_end, ambiguous)
+
+    @staticmethod
+    def _deepest(
+        index: ChildIndex, keys: Sequence[MessageKey], reasonings: Sequence[str | None]
+    ) -> tuple[TurnNode | None, bool]:
+        """Deepest matching turn below `index`; on equal depth the oldest wins and the match is ambiguous.
+
+        Iterative, so a history of any number of turns is walked without recursion limits."""
+        matches: list[TurnNode] = []
+        pending = [(index, 0)]
+        while pending:
+            children, start = pending.pop()
+            for candidate in children.candidates(keys, start):
+                if candidate.reasoning_compatible(reasonings, start):
+                    matches.append(candidate)
+                    pending.append((candidate.children, candidate.message_end))
+        if not matches:
+            return None, False
+        depth = max(node.message_end for node in matches)
+        deepest = [node for node in matches if node.message_end == depth]
+        best = min(deepest, key=lambda node: (node.session.created, node.turn_id))
+        return best, len(deepest) > 1
+
+    def prompt_group(self, namespace: str, keys: Sequence[MessageKey]) -> Session | None:
+        """The automatic session whose first request was exactly these messages (a GRPO group)."""
+        return self.auto_prompts.get((namespace, tuple(keys)))
+
+    def touch(self, session: Session) -> None:
+        if session.session_id in self.sessions:
+            self.sessions.move_to_end(session.session_id)
+        session.last_used = time.time()
+
+    def sweep(self, now: float | None = None) -> list[tuple[Session, str]]:
+        """Remove idle sessions, then the least recently used beyond capacity; never one with a turn in flight.
+        Returns what was removed and why (`idle`, `evicted`), for the recorder to close."""
+        now = time.time() if now is None else now
+        closed: list[tuple[Session, str]] = []
+        if self.idle_timeout > 0:
+            for session in self.sessions.values():  # nothing is removed until after both loops
+                if now - session.last_used < self.idle_timeout:
+                    break  # LRU order: everything after this one was used more recently
+                if session.inflight == 0:
+                    closed.append((session, "idle"))
+        if self.max_sessions > 0:
+            excess = len(self.sessions) - len(closed) - self.max_sessions
+            leaving = {id(s) for s, _ in closed}
+            for session in self.sessions.values():
+                if excess <= 0:
+                    break
+                if session.inflight == 0 and id(session) not in leaving:
+                    closed.append((session, "evicted"))
+                    excess -= 1
+        for session, _ in closed:
+            self.remove(session)
+        return closed
+
+    def remove(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        roots = self.auto_roots.get(session.namespace)
+        for root in session.root_nodes:
+            if roots is not None:
+                roots.remove(root)
+        if roots is not None and not len(roots):
+            del self.auto_roots[session.namespace]
+        for keys in session.prompt_keys:
+            if self.auto_prompts.get((session.namespace, keys)) is session:
+                del self.auto_prompts[(session.namespace, keys)]
+
+    def _interned(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Every turn of a run usually has the same kwargs: keep one dict for them, not one per turn."""
+        if not kwargs:
+            return None
+        try:
+            key = json.dumps(kwargs, sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError):
+            return dict(kwargs)
+        if len(self._kwargs) >= 1024 and key not in self._kwargs:
+            self._kwargs.clear()
+        return self._kwargs.setdefault(key, dict(kwargs))
+
+    def new_session(self, session_id: str | None, namespace: str = "") -> Session:
+        if session_id is None:
+            return Session(session_id=uuid.uuid4().hex, automatic=True, namespace=namespace)
+        return Session(session_id=session_id, automatic=False, namespace=namespace)
+
+    def commit(
+        self,
+        session: Session,
+        parent: TurnNode | None,
+        message_end: int,
+        segment_keys: SegmentKey,
+        segment_reasoning: tuple[str | None, ...],
+        added_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        finish_reason: str | None,
+        tools_sha256: str | None = None,
+        turn_id: int | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> TurnNode:
+        """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
+        live = self.sessions.setdefault(session.session_id, session)
+        self.sessions.move_to_end(live.session_id)
+        if turn_id is None:
+            turn_id = live.next_turn_id
+        node = TurnNode(
+            session=live,
+            turn_id=turn_id,
+            parent=parent,
+            message_end=message_end,
+            segment_keys=segment_keys,
+            segment_reasoning=segment_reasoning,
+            added_ids=array("I", added_ids),
+            completion_ids=array("I", completion_ids),
+            finish_reason=finish_reason,
+            tools_sha256=tools_sha256,
+            template_kwargs=self._interned(template_kwargs),
+        )
+        live.next_turn_id = max(live.next_turn_id, turn_id + 1)
+        live.turns += 1
+        live.tokens += len(added_ids) + len(completion_ids)
+        live.last_used = time.time()
+        if parent is not None:
+            parent.children.add(node)
+        else:
+            live.roots.add(node)
+            if live.automatic:
+                self.auto_roots.setdefault(live.namespace, ChildIndex()).add(node)
+                live.root_nodes.append(node)
+                prompt = segment_keys[:-1]
+                if (live.namespace, prompt) not in self.auto_prompts:
+                    self.auto_prompts[(live.namespace, prompt)] = live
+                    live.prompt_keys.append(prompt)
+        return node

@@ -1,0 +1,292 @@
+"""`python -m tito_addon`: run mitmdump with the addon, or one of the subcommands.
+
+python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
+python -m tito_addon show RECORD_DIR [--json]  print recorded turns
+python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
+python -m tito_addon demo                      an end-to-end capture against the reference backend
+python -m tito_addon verify-template --tokenizer PATH [--family NAME] [--chat-template-kwargs JSON]
+                                               is a template append-only, and which family to use
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tito_addon.records.record_reader import RecordError, iter_session_files
+
+SUBCOMMANDS = ("show", "export", "replay", "redrive", "audit", "reference-backend", "demo", "verify-template")
+# Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
+REPLAY_MODE = "reverse:http://127.0.0.1:1"
+
+
+def run_mitmdump(args: list[str]) -> int:
+    from mitmproxy.tools.main import mitmdump
+
+    script = str(Path(__file__).resolve().parents[1] / "__init__.py")
+    # Lazy upstream connections: the addon answers chat turns itself, so a down or absent upstream must
+    # not close the client's connection before the addon sees the request.
+    mitmdump(["-s", script, "--set", "connection_strategy=lazy", *args])
+    return 0
+
+
+def show(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tito_addon show", description="Print recorded turns.")
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="one JSON object per turn, with full prompt ids")
+    args = parser.parse_args(argv)
+    try:
+        files = list(iter_session_files(args.record_dir))
+        for session_file in files:
+            ids = session_file.full_ids()
+            for turn in session_file.turns:
+                prompt, completion = ids[turn.turn_id]
+                if args.json:
+                    row = {
+                        "session_id": turn.session_id,
+                        "turn_id": turn.turn_id,
+                        "parent_turn_id": turn.parent_turn_id,
+                        "prompt_ids": prompt,
+                        "completion_ids": completion,
+                        "completion_logprobs": turn.completion_logprobs,
+                        "finish_reason": turn.finish_reason,
+                    }
+                    print(json.dumps(row, ensure_ascii=False))
+                else:
+                    message = turn.assistant_message
+                    text = (message.get("content") or "").replace("\n", " ")
+                    calls = [c.get("function", {}).get("name") for c in message.get("tool_calls") or []]
+                    summary = text[:60] + ("…" if len(text) > 60 else "")
+                    if calls:
+                        summary = (summary + " " if summary else "") + f"→ {', '.join(calls)}()"
+                    print(
+                        f"{turn.session_id[:16]:16} turn {turn.turn_id:>3} ← {str(turn.parent_turn_id):>4}  "
+                        f"prompt {len(prompt):>6} (+{len(turn.prompt_added_ids)})  completion {len(completion):>5}  "
+                        f"{turn.finish_reason or '-':10} {summary}"
+                    )
+            if not args.json:
+                closed = f", closed ({session_file.closes[-1].reason})" if session_file.closes else ""
+                print(f"  {session_file.path.name}: {len(session_file.turns)} turns{closed}")
+    except RecordError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def export_command(argv: list[str]) -> int:
+    from rich.progress import Progress
+
+    from tito_addon.tools.trainer_export import FORMATS, export
+
+    parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export branches for trainers.")
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--format", choices=FORMATS, default="parquet")
+    args = parser.parse_args(argv)
+    try:
+        sessions = len(list(args.record_dir.glob("*.jsonl"))) if args.record_dir.is_dir() else 0
+        with Progress(transient=True) as progress:
+            task = progress.add_task("exporting sessions", total=sessions)
+            rows = export(args.record_dir, args.out, args.format, lambda: progress.advance(task))
+    except RecordError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{rows} branches from {sessions} sessions written to {args.out} ({args.format})")
+    return 0
+
+
+def redrive_command(argv: list[str]) -> int:
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from tito_addon.tools.redrive import Scorer, redrive
+    from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+    from tito_addon.backends.upstream_client import UpstreamClient
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon redrive",
+        description="Score every recorded completion under a live backend; report the logprob gap per turn.",
+    )
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("--backend", required=True, help="backend base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--backend-kind", choices=("sglang", "vllm"), default="sglang")
+    parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    args = parser.parse_args(argv)
+
+    async def run() -> Any:
+        client = UpstreamClient()
+        try:
+            turns = sum(len(f.turns) for f in iter_session_files(args.record_dir))
+            with Progress(transient=True) as progress:
+                task = progress.add_task("scoring recorded turns", total=turns)
+                scorer = Scorer(client, args.backend, args.backend_kind)
+                return await redrive(args.record_dir, scorer, lambda: progress.advance(task))
+        finally:
+            await client.close()
+
+    try:
+        report = asyncio.run(run())
+    except (RecordError, TitoError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except UpstreamPassthrough as exc:
+        print(f"error: the backend answered {exc.status}: {exc.body[:300]!r}", file=sys.stderr)
+        return 2
+    table = Table("session", "turn", "tokens", "mean |Δ|", "max |Δ|", "KL est.")
+    for turn in report.turns:
+        table.add_row(turn.session_id[:16], str(turn.turn_id), str(turn.tokens), f"{turn.mean_abs_diff:.4f}",
+                      f"{turn.max_abs_diff:.4f}", f"{turn.kl_estimate:+.4f}")  # fmt: skip
+    console = Console()
+    console.print(table)
+    totals = report.totals()
+    console.print(
+        "total: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in totals.items())
+    )
+    if args.json:
+        payload = {"turns": [t.as_dict() for t in report.turns], "totals": totals}
+        args.json.write_text(json.dumps(payload, indent=1), "utf-8")
+    return 0
+
+
+def audit_command(argv: list[str]) -> int:
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from tito_addon.tools.drift_audit import CLASSES, audit_session
+    from tito_addon.engine.token_engine import load_tokenizer
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon audit",
+        description="Compare each recorded branch with a stock re-render of its messages; classify every drift.",
+    )
+    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("--tokenizer", help="default: the tokenizer named in the recording")
+    parser.add_argument("--json", type=Path, help="write the full audit (every differing span) as JSON here")
+    parser.add_argument("--html", type=Path, help="write one trajectory, token by token, as an HTML page here")
+    parser.add_argument("--branch", help="SESSION:LEAF_TURN for --html (default: the first branch)")
+    args = parser.parse_args(argv)
+    try:
+        files = list(iter_session_files(args.record_dir))
+        for session_file in files:
+            session_file.full_ids()  # a partial recording fails here, before any tokenizer is loaded
+        names = {args.tokenizer} if args.tokenizer else {t.tokenizer.name for f in files for t in f.turns[:1]}
+        tokenizers = {name: load_tokenizer(name, trust_remote_code=False) for name in names}
+        audits = []
+        with Progress(transient=True) as progress:
+            task = progress.add_task("auditing sessions", total=len(files))
+            for session_file in files:
+                if session_file.turns:
+                    name = args.tokenizer or session_file.turns[0].tokenizer.name
+                    audits += audit_session(session_file, tokenizers[name])
+                progress.advance(task)
+    except (RecordError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    table = Table("session", "branch leaf", "tokens", "drifted", *CLASSES)
+    totals: Counter[str] = Counter()
+    for audit in audits:
+        kinds = audit.kinds()
+        totals.update(kinds)
+        drifted = sum(audit.per_turn.values())
+        table.add_row(audit.session_id[:16], str(audit.leaf_turn_id), str(audit.tokens), str(drifted),
+                      *(str(kinds.get(c, "")) for c in CLASSES))  # fmt: skip
+    console = Console(width=200)
+    console.print(table)
+    console.print(f"{len(audits)} branches; drift spans by kind: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+    if args.json:
+        args.json.write_text(json.dumps([a.as_dict() for a in audits], ensure_ascii=False, indent=1), "utf-8")
+    if args.html:
+        from tito_addon.tools.audit_page import render_page
+
+        wanted = [a for a in audits if not args.branch or f"{a.session_id}:{a.leaf_turn_id}" == args.branch]
+        if not wanted:
+            print(f"error: no branch {args.branch!r} in {args.record_dir}", file=sys.stderr)
+            return 2
+        chosen = wanted[0]
+        session_file = next(f for f in files if f.turns and f.turns[0].session_id == chosen.session_id)
+        name = args.tokenizer or session_file.turns[0].tokenizer.name
+        args.html.write_text(render_page(session_file, chosen, tokenizers[name]), "utf-8")
+        console.print(f"page: {args.html}")
+    return 0
+
+
+def verify_template_command(argv: list[str]) -> int:
+    from tito_addon.engine.model_families import FAMILIES
+    from tito_addon.tools.template_verifier import render_report, verify
+    from tito_addon.engine.token_engine import load_tokenizer
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon verify-template",
+        description=(
+            "Render multi-turn conversations (system, user, reasoning, parallel tool calls, tool results, later user "
+            "and system turns) incrementally and from scratch; report whether the template is append-only for "
+            "each appended role, where the first divergence is, and which family to use. Exit 0: the family "
+            "(--family, else `default` or the family suggested for the template) passes; 1: it does not."
+        ),
+    )
+    parser.add_argument("tokenizer_arg", nargs="?", metavar="TOKENIZER", help="same as --tokenizer")
+    parser.add_argument("--tokenizer", help="HF tokenizer name or local directory")
+    parser.add_argument("--family", choices=list(FAMILIES), help="default: `default`, then the suggested family")
+    parser.add_argument("--chat-template-kwargs", default="{}", help="JSON object pinned on every render")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--json", action="store_true", help="the verdict as JSON")
+    args = parser.parse_args(argv)
+    name = args.tokenizer or args.tokenizer_arg
+    if not name:
+        parser.error("a tokenizer is required (TOKENIZER or --tokenizer)")
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        parser.error(f"--chat-template-kwargs: {exc}")
+    try:
+        tokenizer = load_tokenizer(name, trust_remote_code=args.trust_remote_code)
+    except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+        print(f"error: cannot load tokenizer {name!r}: {exc}", file=sys.stderr)
+        return 2
+    verdict = verify(tokenizer, name, args.family or "default", kwargs, suggest=args.family is None)
+    print(json.dumps(verdict.to_json(), ensure_ascii=False, indent=1) if args.json else render_report(verdict))
+    usable = verdict.ok or (verdict.suggestion is not None and verdict.suggestion.ok)
+    return 0 if usable else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "show":
+        return show(argv[1:])
+    if argv and argv[0] == "replay":
+        if len(argv) < 2 or argv[1].startswith("-"):
+            print("usage: python -m tito_addon replay RECORD_DIR [mitmdump args]", file=sys.stderr)
+            return 2
+        rest = argv[2:]
+        mode = (
+            [] if any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in rest) else ["--mode", REPLAY_MODE]
+        )
+        return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[1]).resolve()}", *rest])
+    if argv and argv[0] == "audit":
+        return audit_command(argv[1:])
+    if argv and argv[0] == "verify-template":
+        return verify_template_command(argv[1:])
+    if argv and argv[0] == "redrive":
+        return redrive_command(argv[1:])
+    if argv and argv[0] == "export":
+        return export_command(argv[1:])
+    if argv and argv[0] == "reference-backend":
+        from tito_addon.replicas.sglang_replica import main as reference_main
+
+        return reference_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from tito_addon.tools.demo_run import main as demo_main
+
+        return demo_main(argv[1:])
+    return run_mitmdump(argv)

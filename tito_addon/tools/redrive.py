@@ -1,0 +1,142 @@
+"""Re-drive: score every recorded completion under a live backend (for example a newer checkpoint).
+
+Each recorded turn's exact prompt + completion ids are sent for prompt scoring, and the new logprobs of the
+recorded completion tokens are compared with the recorded rollout logprobs: the off-policy gap a trainer needs
+to know. sglang scores with native `/generate` (`logprob_start_len`, `max_new_tokens: 0`); vLLM with
+`/inference/v1/generate` and `prompt_logprobs: 0` (needs `--enable-scale-out` on 0.30+).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.record_reader import iter_session_files
+from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
+from tito_addon.backends.upstream_client import UpstreamClient
+
+
+@dataclass(frozen=True)
+class TurnGap:
+    session_id: str
+    turn_id: int
+    tokens: int
+    mean_abs_diff: float
+    max_abs_diff: float
+    # Mean of (recorded - new) over the sampled tokens: the Monte-Carlo estimate of KL(rollout || new) on this
+    # turn; > 0 where the new policy finds what was sampled less likely.
+    kl_estimate: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RedriveReport:
+    turns: list[TurnGap] = field(default_factory=list)
+
+    def totals(self) -> dict[str, Any]:
+        tokens = sum(t.tokens for t in self.turns)
+        if not tokens:
+            return {"turns": 0, "tokens": 0}
+        weighted = lambda attr: sum(getattr(t, attr) * t.tokens for t in self.turns) / tokens  # noqa: E731
+        return {
+            "turns": len(self.turns),
+            "tokens": tokens,
+            "mean_abs_diff": weighted("mean_abs_diff"),
+            "max_abs_diff": max(t.max_abs_diff for t in self.turns),
+            "kl_estimate": weighted("kl_estimate"),
+        }
+
+
+def gap(record: TurnRecord, new: list[float]) -> TurnGap:
+    old = record.completion_logprobs
+    diffs = [a - b for a, b in zip(old, new, strict=True)]
+    count = len(diffs)
+    return TurnGap(
+        session_id=record.session_id,
+        turn_id=record.turn_id,
+        tokens=count,
+        mean_abs_diff=sum(abs(d) for d in diffs) / count,
+        max_abs_diff=max(abs(d) for d in diffs),
+        kl_estimate=sum(diffs) / count,
+    )
+
+
+class Scorer:
+    """Logprobs of `completion` given `prompt`, from a live backend."""
+
+    def __init__(self, client: UpstreamClient, base_url: str, kind: str) -> None:
+        if kind not in ("sglang", "vllm"):
+            raise ValueError(f"unknown backend kind {kind!r}")
+        self.client, self.base_url, self.kind = client, base_url.rstrip("/"), kind
+
+    async def score(self, record: TurnRecord, prompt: list[int], completion: list[int]) -> list[float]:
+        if self.kind == "sglang":
+            values = await self._sglang(prompt, completion)
+        else:
+            values = await self._vllm(record, prompt, completion)
+        if len(values) != len(completion):
+            raise UpstreamMalformed(f"backend scored {len(values)} of {len(completion)} completion tokens")
+        for value in values:
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise UpstreamMalformed(f"backend scored a token with a non-finite logprob: {value!r}")
+        return [float(v) for v in values]
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self.client.post_json(self.base_url + path, body, {})
+        if response.status != 200:
+            raise UpstreamPassthrough(response.status, response.body, response.content_type)
+        parsed = response.json()
+        if not isinstance(parsed, dict):
+            raise UpstreamMalformed(f"{path} answered with JSON that is not an object")
+        return parsed
+
+    async def _sglang(self, prompt: list[int], completion: list[int]) -> list[Any]:
+        body = {
+            "input_ids": prompt + completion,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": len(prompt),
+            "top_logprobs_num": 0,
+        }
+        entries = ((await self._post("/generate", body)).get("meta_info") or {}).get("input_token_logprobs") or []
+        scored = entries[: len(completion)]
+        if [e[1] for e in scored if isinstance(e, list) and len(e) > 1] != completion:
+            raise UpstreamMalformed("sglang scored other tokens than the recorded completion")
+        return [e[0] for e in scored]
+
+    async def _vllm(self, record: TurnRecord, prompt: list[int], completion: list[int]) -> list[Any]:
+        body: dict[str, Any] = {
+            "token_ids": prompt + completion,
+            "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
+            "stream": False,
+        }
+        if record.model:
+            body["model"] = record.model
+        rows = (await self._post("/inference/v1/generate", body)).get("prompt_logprobs")
+        if not isinstance(rows, list) or len(rows) != len(prompt) + len(completion):
+            raise UpstreamMalformed("vLLM returned no prompt_logprobs for the scored ids")
+        values = []
+        for token, row in zip(completion, rows[len(prompt) :], strict=True):
+            entry = row.get(str(token)) if isinstance(row, dict) else None
+            if not isinstance(entry, dict):
+                raise UpstreamMalformed(f"vLLM prompt_logprobs has no entry for recorded token {token}")
+            values.append(entry.get("logprob"))
+        return values
+
+
+async def redrive(record_dir: Path, scorer: Scorer, progress: Callable[[], None] | None = None) -> RedriveReport:
+    report = RedriveReport()
+    for session_file in iter_session_files(record_dir):
+        ids = session_file.full_ids()
+        for record in session_file.turns:
+            prompt, completion = ids[record.turn_id]
+            report.turns.append(gap(record, await scorer.score(record, prompt, completion)))
+            if progress is not None:
+                progress()
+    return report

@@ -1,0 +1,467 @@
+"""One agent turn, end to end: validate -> locate -> prepare ids -> backend -> record -> commit -> reply.
+
+This is the whole addon minus mitmproxy: it takes the request's path, headers and body and returns the
+HTTP reply, so it can be tested and reused without a proxy. Validation and preparation touch no state; the
+only state changes (the record line and the new tree node) happen together, synchronously, after the
+backend answered, so a rejected or failed request leaves no trace in memory or on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from pydantic import ValidationError
+
+from tito_addon.backends.backend_protocol import Backend, BackendResult, BackendTurn, StreamEnd
+from tito_addon.sessions.message_keys import message_key
+from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
+from tito_addon.records.record_models import SegmentSpan, TokenizerInfo, TurnRecord
+from tito_addon.records.record_reader import RecordError, read_session_file, rebuild_session
+from tito_addon.sessions.session_tree import Attachment, Session, SessionStore, TurnNode
+from tito_addon.protocols.openai_chat import SSE_HEADERS, sse_from_completion
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
+from tito_addon.engine.token_engine import PromptPiece, TokenEngine
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+from tito_addon.canonical_chat import ChatMessage, ChatRequest, session_id_problem
+
+logger = logging.getLogger(__name__)
+
+# The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
+CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
+SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
+DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
+    "parallel_tool_calls", "reasoning_effort", "response_format",
+)  # fmt: skip
+# Never forwarded: hop-by-hop headers and those the upstream call sets itself.
+DROPPED_HEADERS = frozenset(
+    {
+        "host", "content-length", "content-encoding", "transfer-encoding", "accept-encoding", "connection",
+        "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer", "upgrade", "expect",
+    }
+)  # fmt: skip
+
+
+@dataclass
+class HttpReply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def json_reply(status: int, body: bytes, metadata: dict[str, Any] | None = None) -> HttpReply:
+    return HttpReply(status, {"content-type": "application/json"}, body, metadata or {})
+
+
+def is_chat_path(path: str) -> bool:
+    return CHAT_PATH.match(path) is not None
+
+
+def strip_session_prefix(path: str) -> str:
+    """`/sessions/{id}/v1/models` -> `/v1/models`: session-scoped base URLs reach the backend's own routes."""
+    return SESSION_PREFIX.sub("", path, count=1)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise BadRequest(f"duplicate JSON key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"{name} is not valid JSON")
+
+
+def parse_body(body: bytes) -> ChatRequest:
+    return parse_request(body)[0]
+
+
+def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+    """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest("request body is not valid UTF-8") from exc
+    try:
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
+    except ValueError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return ChatRequest.model_validate(obj), obj
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise BadRequest(f"invalid chat request at {where}: {first.get('msg')}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
+
+
+def checked_session_id(value: str | None, where: str) -> str | None:
+    if value is None:
+        return None
+    problem = session_id_problem(value)
+    if problem is not None:
+        raise BadRequest(f"invalid session id in {where}: {problem}; nothing was forwarded")
+    return value
+
+
+def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
+    if not tools:
+        return None
+    canonical = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    """Everything decided before the backend call; nothing here has changed any state."""
+
+    request: ChatRequest
+    session_id: str | None
+    attachment: Attachment
+    parent: TurnNode | None
+    appended: list[ChatMessage]
+    piece: PromptPiece
+    prompt: PromptIds
+    kwargs: dict[str, Any]
+    keys: list[Any]
+    namespace: str
+    raw: dict[str, Any]  # the request's JSON object
+
+
+class TurnService:
+    def __init__(
+        self,
+        engine: TokenEngine,
+        backend: Backend,
+        store: SessionStore,
+        recorder: TrajectoryRecorder | None,
+        *,
+        session_header: str = "x-session-id",
+        prefixes: EncodedPrefixes | None = None,
+        record_message_text: bool = True,
+    ) -> None:
+        self.record_message_text = record_message_text
+        self.engine = engine
+        self.backend = backend
+        self.store = store
+        self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
+        self.recorder = recorder
+        self.session_header = session_header.lower()
+
+    async def handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+        """Serve one chat-completion request. Never raises: every outcome is an HTTP reply."""
+        try:
+            return await self._handle(path, {k.lower(): v for k, v in headers.items()}, body, base_url)
+        except UpstreamPassthrough as passthrough:
+            return HttpReply(passthrough.status, {"content-type": passthrough.content_type}, passthrough.body)
+        except TitoError as error:
+            if error.status >= 500:
+                logger.warning("turn failed: %s", error.message)
+            return json_reply(error.status, error.body())
+        except Exception:
+            logger.exception("unexpected failure while serving a turn")
+            return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+
+    def prepare(self, path: str, headers: dict[str, str], body: bytes, base_url: str = "") -> PreparedTurn:
+        match = CHAT_PATH.match(path)
+        if match is None:
+            raise BadRequest(f"not a chat-completions path: {path}")
+        session_id = checked_session_id(headers.get(self.session_header), f"header {self.session_header}")
+        path_id = match.group("sid")
+        path_id = checked_session_id(unquote(path_id), "path") if path_id is not None else None
+        session_id = session_id if session_id is not None else path_id
+        request, raw = parse_request(body)
+        self.backend.check_request(request)
+        if session_id is not None and session_id not in self.store.sessions:
+            self.restore(session_id)
+        kwargs = self.engine.effective_kwargs(request.chat_template_kwargs)
+        messages = request.messages
+        keys = [message_key(m) for m in messages]
+        reasonings = [m.reasoning_text() if m.role == "assistant" else None for m in messages]
+        namespace = f"{base_url} {request.model or ''}"
+        attachment = self.store.locate(session_id, keys, reasonings, namespace)
+        parent = attachment.parent
+        appended = messages[attachment.matched :]
+        if parent is not None and any(m.role == "assistant" for m in appended):
+            # An edited or injected assistant message cannot extend stored ids: serve it as a fresh render,
+            # a new root of the same session.
+            parent, appended = None, messages
+        elif parent is not None and self.engine.history_changed(parent.template_kwargs or {}, kwargs, request.tools):
+            # Kwargs that render the stored history differently (gpt-oss `reasoning_effort` lives in the system
+            # message) would not reach the model through a continuation: a fresh render tells it, as a new root.
+            parent, appended = None, messages
+        if parent is None:
+            piece = self.engine.first_turn(messages, request.tools, kwargs)
+        else:
+            piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
+        prompt = PromptIds(parent, piece.ids, self.prefixes)
+        return PreparedTurn(
+            request, session_id, attachment, parent, appended, piece, prompt, kwargs, keys, namespace, raw
+        )
+
+    async def _handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+        self.sweep()
+        prepared = self.prepare(path, headers, body, base_url)
+        busy = prepared.attachment.session
+        if busy is not None:
+            busy.inflight += 1  # protects it from eviction while the backend works
+        try:
+            return await self._run(prepared, path, headers, base_url)
+        finally:
+            self._release(busy)
+
+    def backend_turn(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> BackendTurn:
+        # The agent's object as sent (dumping 400 validated messages back cost ~1 ms a turn at turn 200), with
+        # the fields the model declares in their validated form, so "false" never reads as true downstream.
+        chat_body = dict(prepared.raw)
+        declared = {name for name in DECLARED_FIELDS if name in chat_body}
+        if declared:
+            chat_body.update(prepared.request.model_dump(mode="json", include=declared, by_alias=True))
+        chat_body["chat_template_kwargs"] = prepared.kwargs
+        chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
+        forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
+        return BackendTurn(base_url, chat_path, chat_body, prepared.prompt, forward, self.engine.stop_texts)
+
+    def finish(self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str]) -> dict[str, Any]:
+        """Commit a turn the backend completed; the flow metadata that describes it."""
+        node, fields = self.commit(prepared, result, headers.get("x-request-id"))
+        self.sweep()  # a new session may have taken the store past its capacity
+        return {
+            "session_id": node.session.session_id,
+            "turn_id": node.turn_id,
+            "parent_turn_id": node.parent.turn_id if node.parent else None,
+            "prompt_tokens": len(prepared.prompt),
+            "completion_tokens": len(result.completion_ids),
+            # The whole record line: a `-w` flow file is then enough to regenerate the trajectory (`-r`).
+            "record": fields,
+        }
+
+    async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
+        result = await self.backend.run_turn(self.backend_turn(prepared, path, headers, base_url))
+        metadata = self.finish(prepared, result, headers)
+        tito_headers = {"x-tito-session-id": metadata["session_id"], "x-tito-turn-id": str(metadata["turn_id"])}
+        request = prepared.request
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            stream = sse_from_completion(result.agent_body, include_usage=include_usage)
+            return HttpReply(200, {**SSE_HEADERS, **tito_headers}, stream, metadata)
+        content = result.agent_bytes
+        if content is None:
+            content = json.dumps(result.agent_body, ensure_ascii=False).encode()
+        return HttpReply(200, {"content-type": "application/json", **tito_headers}, content, metadata)
+
+    async def open_stream(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str
+    ) -> HttpReply | LiveStream:
+        """A live stream of the turn, or an ordinary reply when it fails before its first chunk (status and
+        body as for a whole turn). Nothing is committed unless the backend finishes the turn."""
+        headers = {k.lower(): v for k, v in headers.items()}
+        try:
+            self.sweep()
+            prepared = self.prepare(path, headers, body, base_url)
+        except TitoError as error:
+            return json_reply(error.status, error.body())
+        events = self.backend.stream_turn(self.backend_turn(prepared, path, headers, base_url))
+        busy = prepared.attachment.session
+        if busy is not None:
+            busy.inflight += 1
+        try:
+            first = await anext(events)
+        except (StopAsyncIteration, Exception) as exc:
+            await events.aclose()
+            self._release(busy)
+            if isinstance(exc, StopAsyncIteration):
+                exc = UpstreamMalformed("backend stream ended before its first chunk")
+            return await self._error_reply(exc)
+        return LiveStream(self, prepared, headers, events, first, busy)
+
+    async def _error_reply(self, exc: BaseException) -> HttpReply:
+        if isinstance(exc, UpstreamPassthrough):
+            return HttpReply(exc.status, {"content-type": exc.content_type}, exc.body)
+        if isinstance(exc, TitoError):
+            return json_reply(exc.status, exc.body())
+        logger.error("unexpected failure while opening a stream", exc_info=exc)
+        return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+
+    def _release(self, session: Session | None) -> None:
+        if session is not None:
+            session.inflight -= 1
+            self.store.touch(session)
+
+    def commit(
+        self, prepared: PreparedTurn, result: BackendResult, request_id: str | None
+    ) -> tuple[TurnNode, dict[str, Any]]:
+        """Write the record line, then add the node; returns the node and the line's fields. Synchronous, so no
+        other turn can interleave."""
+        session = prepared.attachment.session
+        if session is None and prepared.session_id is not None:
+            session = self.store.sessions.get(prepared.session_id)
+        elif session is None:
+            # Looked up again now: identical first requests that were in flight together (a GRPO group)
+            # join the group of whichever committed first.
+            session = self.store.prompt_group(prepared.namespace, prepared.keys)
+        if session is None:
+            session = self.store.new_session(prepared.session_id, prepared.namespace)
+        assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
+        parent = prepared.parent
+        appended_keys = prepared.keys[len(prepared.keys) - len(prepared.appended) :]
+        segment_keys = tuple(appended_keys) + (message_key(assistant),)
+        segment_reasoning = tuple(None for _ in prepared.appended) + (assistant.reasoning_text(),)
+        tools_sha = tools_digest(prepared.request.tools)
+        request = prepared.request
+        # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
+        dumped = request.model_dump(mode="json", include=set(SAMPLING_KEYS) & set(prepared.raw))
+        sampling = {k: v for k, v in dumped.items() if v is not None}
+        record = TurnRecord(
+            session_id=session.session_id,
+            turn_id=session.next_turn_id,
+            parent_turn_id=parent.turn_id if parent else None,
+            ts=time.time(),
+            model=request.model,
+            backend_kind=self.backend.kind,
+            request_id=request_id,
+            sampling=sampling,
+            chat_template_kwargs=prepared.kwargs,
+            tools_sha256=tools_sha,
+            tools=request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
+            appended_messages=[m.model_dump(mode="json", exclude_none=True) for m in prepared.appended]
+            if self.record_message_text
+            else None,
+            appended_keys=None if self.record_message_text else [key.hex() for key in appended_keys],
+            prompt_added_ids=prepared.piece.ids,
+            prompt_segments=[SegmentSpan(source=s.source, start=s.start, end=s.end) for s in prepared.piece.segments],
+            prompt_len=len(prepared.prompt),
+            completion_ids=result.completion_ids,
+            completion_logprobs=result.completion_logprobs,
+            assistant_message=result.message,
+            finish_reason=result.finish_reason,
+            ambiguous_parent=prepared.attachment.ambiguous and parent is not None,
+            render_skew=result.extra.get("render_skew"),
+            backend_version=result.extra.get("backend_version"),
+            tokenizer=TokenizerInfo(
+                name=self.engine.tokenizer_name,
+                tokenizer_sha256=self.engine.tokenizer_sha256,
+                template_sha256=self.engine.template_sha256,
+                family=self.engine.family.name,
+            ),
+        )
+        fields = record.line_fields()  # dumped once: for the line and for the flow metadata
+        if self.recorder is not None:
+            self.recorder.write_turn(record, fields)
+        node = self.store.commit(
+            session,
+            parent,
+            (parent.message_end if parent else 0) + len(segment_keys),
+            segment_keys,
+            segment_reasoning,
+            prepared.piece.ids,
+            result.completion_ids,
+            result.finish_reason,
+            tools_sha,
+            template_kwargs=prepared.kwargs,
+        )
+        prepared.prompt.remember(node, result.completion_ids)
+        return node, fields
+
+    def restore(self, session_id: str) -> None:
+        """Rebuild a named session from its record file (after a restart or hot reload), so its turns
+        extend the recorded ids and its turn ids continue instead of colliding."""
+        if self.recorder is None:
+            return
+        path = self.recorder.path_for(session_id)
+        if not path.is_file():
+            return
+        try:
+            recorded = read_session_file(path)
+            recorded.full_ids()  # proves every parent is present and every prompt length adds up
+        except (OSError, RecordError) as exc:
+            raise TitoError(f"cannot resume session from its record file: {exc}", status=409) from exc
+        session = self.store.new_session(session_id)
+        nodes = rebuild_session(self.store, session, recorded.turns)
+        if recorded.skipped_lines:
+            session.next_turn_id += len(recorded.skipped_lines)  # never reuse the id of a torn line
+        logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
+
+    def sweep(self) -> None:
+        """Close idle sessions and those beyond capacity (never one with a turn in flight)."""
+        for session, reason in self.store.sweep():
+            self._close(session, reason)
+
+    def close_all(self, reason: str) -> None:
+        for session in list(self.store.sessions.values()):
+            self.store.remove(session)
+            self._close(session, reason)
+
+    def _close(self, session: Session, reason: str) -> None:
+        logger.info("tito: session %s closed (%s) after %d turns", session.session_id, reason, session.turns)
+        if self.recorder is None or session.turns == 0:
+            return
+        try:
+            self.recorder.close_session(session.session_id, session.turns, reason)
+        except OSError:
+            logger.exception("could not close the record of session %s", session.session_id)
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class LiveStream:
+    """A turn streaming to the agent: chunks as the backend makes them, then (after the commit) the tail.
+
+    A failure mid-stream ends it with an SSE error event and no [DONE]; closing it early (the agent went away)
+    closes the upstream request. Either way nothing is recorded."""
+
+    headers = {**SSE_HEADERS, "x-tito-stream": "live"}
+
+    def __init__(
+        self,
+        service: TurnService,
+        prepared: PreparedTurn,
+        headers: dict[str, str],
+        events: AsyncIterator[dict[str, Any] | StreamEnd],
+        first: dict[str, Any] | StreamEnd,
+        busy: Session | None,
+    ) -> None:
+        self.service, self.prepared, self.request_headers = service, prepared, headers
+        self.events, self.first, self.busy = events, first, busy
+        self.metadata: dict[str, Any] = {}
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            event: dict[str, Any] | StreamEnd = self.first
+            while True:
+                if isinstance(event, StreamEnd):
+                    self.metadata = self.service.finish(self.prepared, event.result, self.request_headers)
+                    for chunk in event.tail:
+                        yield sse_event(chunk)
+                    yield b"data: [DONE]\n\n"
+                    return
+                yield sse_event(event)
+                event = await anext(self.events)
+        except (TitoError, UpstreamPassthrough) as error:
+            message = error.message if isinstance(error, TitoError) else f"backend answered {error.status}"
+            logger.warning("turn stream failed: %s", message)
+            yield sse_event({"error": {"message": f"{message}; nothing was recorded", "type": "tito_stream_error"}})
+        finally:
+            await self.events.aclose()
+            self.service._release(self.busy)
