@@ -35,8 +35,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from zero_latency_backend import start as start_backend  # noqa: E402
 
-from tito_addon.replicas.proxy_process import LISTEN, Mitmdump  # noqa: E402
 from tito_addon.records.record_reader import read_session_file  # noqa: E402
+from tito_addon.replicas.proxy_process import LISTEN, Mitmdump  # noqa: E402
 
 TOKENIZER = os.environ.get("TITO_BENCH_TOKENIZER", str(REPO.parent / "shared" / "tokenizers" / "qwen3"))
 CHECKPOINTS = (2, 50, 100, 200)
@@ -150,7 +150,7 @@ def p1_p4(turns: int, repeats: int) -> dict:
                     "return_meta_info": True, "stream": False}  # fmt: skip
             direct_ids.setdefault(turn, []).extend(post(backend.url, body, "ids") for _ in range(repeats))
 
-    from tito_addon.engine.token_engine import load_tokenizer
+    from tito_addon.engine.tokenizer_loading import load_tokenizer
 
     tokenizer = load_tokenizer(TOKENIZER, trust_remote_code=False)
 
@@ -189,13 +189,15 @@ def p1_breakdown(turns: int) -> dict:
     """In-process, at each checkpoint: what preparing the next turn costs (no state changes), and how much of it
     is only reading the agent's request (UTF-8 + JSON + validation + message keys), which grows with the
     request the agent itself sends and which any proxy that finds sessions from messages must pay."""
-    from tito_addon.sessions.message_keys import message_key
-    from tito_addon.engine.model_families import FAMILIES
-    from tito_addon.sessions.session_tree import SessionStore
     from tito_addon.backends.sglang_backend import SglangBackend
-    from tito_addon.engine.token_engine import TokenEngine, load_tokenizer
-    from tito_addon.turns.turn_service import TurnService, parse_request
     from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.engine.model_families import FAMILIES
+    from tito_addon.engine.token_engine import TokenEngine
+    from tito_addon.engine.tokenizer_loading import load_tokenizer
+    from tito_addon.protocols.openai_chat import parse_request
+    from tito_addon.sessions.message_keys import message_key
+    from tito_addon.sessions.session_tree import SessionStore
+    from tito_addon.turns.turn_service import TurnService
 
     requests = conversation(turns)
     bodies = [json.dumps({"model": "m", "messages": m}).encode() for m in requests]
@@ -300,9 +302,9 @@ def p2(sessions: int = 256, turns: int = 10, latency_s: float = 0.1, processes: 
 
 
 def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) -> dict:
+    from tito_addon.canonical_chat import ChatMessage
     from tito_addon.sessions.message_keys import message_key
     from tito_addon.sessions.session_tree import SessionStore
-    from tito_addon.canonical_chat import ChatMessage
 
     per_turn = tokens_per_session // turns
     user = ChatMessage(role="user", content="q")

@@ -47,7 +47,7 @@ def tokenizer_path(family: str) -> str:
 
 @functools.cache
 def cached_tokenizer(family: str):
-    from tito_addon.engine.token_engine import load_tokenizer
+    from tito_addon.engine.tokenizer_loading import load_tokenizer
 
     return load_tokenizer(tokenizer_path(family), trust_remote_code=False)
 

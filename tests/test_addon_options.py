@@ -8,9 +8,9 @@ from mitmproxy import exceptions
 from mitmproxy.proxy.mode_specs import ProxyMode
 from mitmproxy.test import taddons, tflow, tutils
 
-from tito_addon.engine import token_engine
-from tito_addon.proxy.capture_addon import TitoAddon
 from tito_addon.backends.backend_routes import normalize_backend_url
+from tito_addon.engine import tokenizer_loading
+from tito_addon.proxy.capture_addon import TitoAddon
 
 
 def configured(tctx, addon, **options):
@@ -77,7 +77,7 @@ def test_asking_a_family_for_a_role_it_refuses_fails_at_startup() -> None:
 
 def test_trust_remote_code_stays_off_unless_enabled(monkeypatch) -> None:
     seen = []
-    real = token_engine.load_tokenizer
+    real = tokenizer_loading.load_tokenizer
 
     def spy(name, *, trust_remote_code):
         seen.append(trust_remote_code)
@@ -157,8 +157,8 @@ async def test_an_unexpected_exception_is_answered_never_forwarded(monkeypatch) 
 
 
 def test_sessions_command_lists_live_sessions() -> None:
-    from tito_addon.sessions.message_keys import message_key
     from tito_addon.canonical_chat import ChatMessage
+    from tito_addon.sessions.message_keys import message_key
 
     addon = TitoAddon()
     with taddons.context(addon) as tctx:

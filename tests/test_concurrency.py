@@ -23,8 +23,8 @@ from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump, get
 
 from tito_addon.records.record_reader import read_session_file
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 SESSIONS = 256
 TURNS = 39  # per agent after its two warm-up turns; with the retries and edits: > 10,000 turns after the warm-up

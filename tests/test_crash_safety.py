@@ -22,8 +22,8 @@ from conftest import tokenizer_path
 from proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session_file
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 AGENTS = 64
 KILLS = 20

@@ -15,9 +15,9 @@ from conftest import SHARED, cached_tokenizer, tokenizer_path
 from proxy_harness import REPO, Mitmdump
 from test_proxy_sglang import agent, run_agent
 
-from tito_addon.tools.drift_audit import classify
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+from tito_addon.tools.drift_audit import classify
 
 # What each drift case is, in the audit's words.
 EXPECTED = {

@@ -23,8 +23,8 @@ from proxy_harness import Mitmdump, post
 from upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 ANCHOR = "hostile-anchor"
 ANCHOR_MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]

@@ -9,11 +9,11 @@ import json
 import pytest
 from conftest import SHARED, TOOLS, cached_tokenizer, tokenizer_path
 
-from tito_addon.sessions.message_keys import template_message
-from tito_addon.engine.model_families import FAMILIES, GPT_OSS_PINNED_DATE, suggest_family
-from tito_addon.tito_errors import TemplateRefusal, TokenizationError
-from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.engine.model_families import FAMILIES, GPT_OSS_PINNED_DATE, suggest_family
+from tito_addon.engine.template_messages import template_message
+from tito_addon.engine.token_engine import TokenEngine
+from tito_addon.tito_errors import TemplateRefusal, TokenizationError
 
 FAMILY_NAMES = ("deepseek-r1", "gpt-oss", "mistral")
 # DeepSeek and Mistral place system messages at the start only: their engines append tool and user messages.
@@ -403,10 +403,10 @@ def test_a_changed_reasoning_effort_is_a_fresh_render_not_a_continuation() -> No
     """gpt-oss keeps `reasoning_effort` in the system message, which a continuation never re-renders: the turn
     that changes it is served from scratch (a new root), so the model is told; unchanged kwargs continue."""
     from tito_addon.backends.backend_protocol import BackendResult
-    from tito_addon.sessions.session_tree import SessionStore
     from tito_addon.backends.sglang_backend import SglangBackend
-    from tito_addon.turns.turn_service import TurnService
     from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.sessions.session_tree import SessionStore
+    from tito_addon.turns.turn_service import TurnService
 
     engine = engine_for("gpt-oss")
     service = TurnService(engine, SglangBackend(UpstreamClient()), SessionStore(), None)

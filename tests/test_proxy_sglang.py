@@ -17,8 +17,8 @@ from conftest import TOOLS, tokenizer_path
 from proxy_harness import REPO, Mitmdump, get, post
 
 from tito_addon.records.record_reader import read_session_file
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 SECRET = "sk-tito-test-SECRET-4f9a1c"
 

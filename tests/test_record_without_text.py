@@ -16,8 +16,8 @@ from proxy_harness import REPO, Mitmdump, post
 from test_replay import replay_proxy
 
 from tito_addon.records.record_reader import read_session_file
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 SECRET_TOOL_OUTPUT = "inventory-row-7f3a9 quantity=4411 warehouse=Kraków"
 

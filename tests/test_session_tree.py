@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from tito_addon.canonical_chat import ChatMessage
 from tito_addon.sessions.message_keys import message_key, reasoning_matches
 from tito_addon.sessions.session_tree import SessionStore
-from tito_addon.canonical_chat import ChatMessage
 
 
 def M(**kw) -> ChatMessage:

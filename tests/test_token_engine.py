@@ -8,11 +8,12 @@ import json
 import pytest
 from conftest import SHARED, TOOLS, cached_engine
 
-from tito_addon.sessions.message_keys import template_message
-from tito_addon.engine.model_families import FAMILIES
-from tito_addon.tito_errors import BadRequest, TokenizationError
-from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.engine.model_families import FAMILIES
+from tito_addon.engine.template_messages import template_message
+from tito_addon.engine.token_engine import TokenEngine
+from tito_addon.engine.tokenizer_loading import rust_fast_path
+from tito_addon.tito_errors import BadRequest, TokenizationError
 
 
 def call(call_id: str, name: str, args: dict) -> dict:
@@ -261,5 +262,5 @@ def test_a_fast_path_that_disagrees_is_not_used() -> None:
             self.encode = tokenizer.encode
             self.all_special_tokens = tokenizer.all_special_tokens
 
-    assert TokenEngine._fast_path(engine.tokenizer, engine.template) is engine._fast is not None
-    assert TokenEngine._fast_path(Wrapper(engine.tokenizer), engine.template) is None
+    assert rust_fast_path(engine.tokenizer, engine.template) is engine._fast is not None
+    assert rust_fast_path(Wrapper(engine.tokenizer), engine.template) is None

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import TOOLS, cached_engine, tokenizer_path
 
+from tito_addon.backends.sglang_backend import SglangBackend
+from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.record_reader import read_session_file
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.sessions.session_tree import SessionStore
-from tito_addon.backends.sglang_backend import SglangBackend
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.turns.turn_service import TurnService
-from tito_addon.backends.upstream_client import UpstreamClient
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,9 @@
-"""Pydantic models of the OpenAI chat-completion shapes the addon reads and writes.
+"""The canonical chat form: the request, messages and assistant message every layer speaks.
+
+It is the OpenAI chat-completion shape, because that is what the backends take upstream (sglang and vLLM read
+an OpenAI chat body alongside the prompt ids) and what the token engine renders; every agent-facing protocol is
+translated into it. It lives at the ground, beside the errors, so that the engine, the session tree, the records
+and the backends can all use it without importing a protocol.
 
 Inputs are validated strictly where the token engine depends on a field (roles, content, tool calls) and
 leniently elsewhere: unknown request fields are kept and forwarded, because agents and backends use
@@ -11,44 +16,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import unicodedata
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 Role = Literal["system", "user", "assistant", "tool"]
 
-MAX_SESSION_ID = 200
 #: JSON nesting a request may use; real ones (messages -> tool call -> arguments, tool schemas) stay far below.
 MAX_JSON_DEPTH = 100
 Number = StrictInt | StrictFloat
 TokenCount = Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]
 Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
-_ID_SEGMENTS = re.compile(r"[/\\]")
-# Controls (C0, DEL, C1 incl. NEL), surrogates (undecodable header bytes) and the Unicode line/paragraph separators:
-# anything that could split a log line or smuggle a header.
-_REFUSED_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
-
-
-def session_id_problem(value: str) -> str | None:
-    """Why a client-supplied session id is refused, or None when it is acceptable.
-
-    Ids are never joined into a path (the recorder maps them to a safe name), but an id that looks like a path
-    traversal or carries control characters is a client bug or an attack: refusing it keeps such values out of
-    files, logs and `tito.sessions` altogether. Ordinary ids (unicode, spaces, `team/run-1`) stay accepted.
-    """
-    if not value:
-        return "it is empty"
-    if len(value) > MAX_SESSION_ID:
-        return f"it is longer than {MAX_SESSION_ID} characters"
-    if any(unicodedata.category(c) in _REFUSED_CATEGORIES for c in value):
-        return "it contains a control character, a line separator or bytes that are not UTF-8"
-    if value[0] in "/\\":
-        return "it starts with a path separator"
-    if ".." in _ID_SEGMENTS.split(value):
-        return "it contains a '..' path segment"
-    return None
 
 
 class FunctionCall(BaseModel):

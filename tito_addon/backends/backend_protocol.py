@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tito_addon.canonical_chat import AssistantMessage, ChatRequest
 from tito_addon.engine.prompt_ids import PromptIds
 from tito_addon.tito_errors import UpstreamMalformed
-from tito_addon.canonical_chat import AssistantMessage, ChatRequest
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from tito_addon.backends.backend_protocol import (
     trajectory_message,
 )
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,21 @@ next turn's prompt is that text plus the encoding of only the ids it appends.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import orjson
 
-from tito_addon.sessions.session_tree import TurnNode
+
+class StoredTurn(Hashable, Protocol):
+    """What a prompt needs of the stored turn it extends (a session-tree node): its whole ids and their count.
+
+    A protocol rather than the node's class, so the engine does not depend on the session tree."""
+
+    @property
+    def end_len(self) -> int: ...
+
+    def full_ids(self) -> list[int]: ...
 
 
 def ids_json(ids: Sequence[int]) -> bytes:
@@ -36,9 +46,9 @@ class EncodedPrefixes:
         self.used_bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[TurnNode, bytes] = OrderedDict()
+        self._entries: OrderedDict[StoredTurn, bytes] = OrderedDict()
 
-    def get(self, node: TurnNode) -> bytes | None:
+    def get(self, node: StoredTurn) -> bytes | None:
         data = self._entries.get(node)
         if data is None:
             self.misses += 1
@@ -56,7 +66,7 @@ class EncodedPrefixes:
             _, dropped = self._entries.popitem(last=False)
             self.used_bytes -= len(dropped)
 
-    def put(self, node: TurnNode, data: bytes) -> None:
+    def put(self, node: StoredTurn, data: bytes) -> None:
         if len(data) > self.budget_bytes:
             return
         old = self._entries.pop(node, None)
@@ -77,7 +87,7 @@ class PromptIds:
 
     __slots__ = ("parent", "added", "_prefixes", "_ids", "_json", "_len")
 
-    def __init__(self, parent: TurnNode | None, added: list[int], prefixes: EncodedPrefixes | None = None) -> None:
+    def __init__(self, parent: StoredTurn | None, added: list[int], prefixes: EncodedPrefixes | None = None) -> None:
         self.parent = parent
         self.added = added
         self._prefixes = prefixes
@@ -109,7 +119,7 @@ class PromptIds:
             self._json = join_json(prefix, ids_json(self.added))
         return self._json
 
-    def remember(self, node: TurnNode, completion_ids: Sequence[int]) -> None:
+    def remember(self, node: StoredTurn, completion_ids: Sequence[int]) -> None:
         """After `node` (this prompt's turn) is committed: keep its whole ids' text for the turn that extends it,
         if this prompt was encoded at all (backends that take a list never pay for the text)."""
         if self._prefixes is not None and self._json is not None:

@@ -14,17 +14,17 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jinja2
 import orjson
 import tokenizers
 
-from tito_addon.sessions.message_keys import template_message
-from tito_addon.engine.model_families import ModelFamily, suggest_family
-from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.engine.model_families import ModelFamily, suggest_family
+from tito_addon.engine.template_messages import template_message
+from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path
+from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
 
 logger = logging.getLogger(__name__)
 
@@ -60,26 +60,6 @@ class PromptPiece:
 
     ids: list[int]
     segments: list[Segment]
-
-
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool) -> Any:
-    """Load a tokenizer only (never a model; transformers runs here without torch)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-
-
-def _generation_eos_ids(name_or_path: str) -> list[int]:
-    config = Path(name_or_path) / "generation_config.json"
-    if not config.is_file():
-        return []
-    try:
-        value = json.loads(config.read_text("utf-8")).get("eos_token_id")
-    except (OSError, ValueError):
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [v for v in value or [] if isinstance(v, int)]
 
 
 class TokenEngine:
@@ -118,7 +98,7 @@ class TokenEngine:
         bad = FORBIDDEN_KWARGS & set(self.pinned_kwargs)
         if bad:
             raise ValueError(f"chat template kwargs may not set {', '.join(sorted(bad))}")
-        self._fast = self._fast_path(tokenizer, self.template)
+        self._fast = rust_fast_path(tokenizer, self.template)
         if family.single_token_newline and len(self.encode("\n")) != 1:
             raise ValueError(f"family {family.name} needs a tokenizer that encodes '\\n' as one token")
         self.stop_ids = self._stop_ids()
@@ -147,31 +127,6 @@ class TokenEngine:
                 self._small_cache.clear()
             ids = self._small_cache[text] = self.encode(text)
         return list(ids)
-
-    @staticmethod
-    def _fast_path(tokenizer: Any, template: str) -> tokenizers.Tokenizer | None:
-        """The Rust tokenizer under a transformers one: the same ids without the wrapper's per-call overhead (a
-        few percent of a proxy's CPU). Used only if it agrees with the wrapper on text shaped like our prompts."""
-        backend = getattr(tokenizer, "_tokenizer", None)
-        if not isinstance(backend, tokenizers.Tokenizer):
-            return None
-        specials = [str(t) for t in getattr(tokenizer, "all_special_tokens", [])][:50]
-        probes = [
-            template[:4000],
-            "\n",
-            " ",
-            "  Hello,\n\nworld  ",
-            "é\u0301 — 東京 🙂\t",
-            *specials,
-            "".join(specials),
-        ]
-        for text in probes:
-            if backend.encode(text, add_special_tokens=False).ids != list(
-                tokenizer.encode(text, add_special_tokens=False)
-            ):
-                logger.info("tokenizer fast path disagrees with transformers; using transformers")
-                return None
-        return backend
 
     def render(
         self,
@@ -371,7 +326,7 @@ class TokenEngine:
     # -- startup checks ---------------------------------------------------------------------------
 
     def _stop_ids(self) -> list[int]:
-        ids = set(_generation_eos_ids(self.tokenizer_name))
+        ids = set(generation_eos_ids(self.tokenizer_name))
         if isinstance(self.tokenizer.eos_token_id, int):
             ids.add(self.tokenizer.eos_token_id)
         # A hub name has no local generation_config.json: the family's own stop tokens still count.

@@ -21,18 +21,21 @@ from pydantic import ValidationError
 
 from tito_addon.backends.backend_kinds import make_backend
 from tito_addon.backends.backend_routes import BackendRoutes, backend_url_from_env
-from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
+from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.prompt_ids import EncodedPrefixes
+from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
+from tito_addon.engine.tokenizer_loading import load_tokenizer
+from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.openai_chat import is_chat_path
+from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
+from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import read_session_file
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.sessions.session_tree import SessionStore
 from tito_addon.tito_errors import BadRequest, TitoError
-from tito_addon.proxy.tito_settings import TitoSettings
-from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine, load_tokenizer
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
-from tito_addon.turns.turn_service import HttpReply, TurnService, is_chat_path, json_reply, strip_session_prefix
-from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.turns.turn_service import TurnService, strip_session_prefix
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from tito_addon.turns.turn_service import HttpReply, LiveStream, TurnService, json_reply
+from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.turns.live_stream import LiveStream
+from tito_addon.turns.turn_service import TurnService
 
 logger = logging.getLogger(__name__)
 

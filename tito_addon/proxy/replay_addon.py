@@ -14,11 +14,10 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
+from tito_addon.protocols.openai_chat import SSE_HEADERS, is_chat_path, parse_body, sse_from_completion
 from tito_addon.records.record_reader import RecordError
 from tito_addon.records.replay_index import ReplayIndex, ReplayMiss, replay_completion
-from tito_addon.protocols.openai_chat import SSE_HEADERS, sse_from_completion
 from tito_addon.tito_errors import TitoError
-from tito_addon.turns.turn_service import is_chat_path, parse_body
 
 logger = logging.getLogger(__name__)
 

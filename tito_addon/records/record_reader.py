@@ -14,10 +14,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tito_addon.sessions.message_keys import message_key
-from tito_addon.records.record_models import CLOSE_SCHEMA, TURN_SCHEMA, SessionCloseRecord, TurnRecord
-from tito_addon.sessions.session_tree import Session, SessionStore, TurnNode
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.records.record_models import CLOSE_SCHEMA, TURN_SCHEMA, SessionCloseRecord, TurnRecord
+from tito_addon.sessions.message_keys import message_key
+from tito_addon.sessions.session_tree import Session, SessionStore, TurnNode
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.sessions.message_keys import message_key
+from tito_addon.canonical_chat import ChatMessage
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import iter_session_files, rebuild_session
+from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_tree import ChildIndex, SessionStore
-from tito_addon.canonical_chat import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""How messages are compared (to find the stored turn a request extends) and prepared for a template.
+"""How messages are compared, to find the stored turn a request extends.
 
 Matching compares role, content, tool calls (id, name and parsed arguments) and, separately, reasoning:
 clients drop or rename reasoning when they echo an assistant message, so a side without reasoning matches
@@ -44,25 +44,3 @@ def message_key(message: ChatMessage) -> MessageKey:
 
 def reasoning_matches(stored: str | None, incoming: str | None) -> bool:
     return not stored or not incoming or stored == incoming
-
-
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """The dict a chat template sees: content as a string, arguments parsed, reasoning under one key."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
-    if message.tool_calls:
-        rendered["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        rendered["name"] = message.name
-    reasoning = message.reasoning_text()
-    if reasoning is not None and message.role == "assistant":
-        rendered["reasoning_content"] = reasoning
-    return rendered

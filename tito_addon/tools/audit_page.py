@@ -12,8 +12,8 @@ import math
 from collections import Counter
 from typing import Any
 
-from tito_addon.tools.drift_audit import CLASSES, BranchAudit
 from tito_addon.records.record_reader import SessionFile
+from tito_addon.tools.drift_audit import CLASSES, BranchAudit
 
 COLORS = {
     "bpe_resplit": "#d9480f",

@@ -105,9 +105,9 @@ def redrive_command(argv: list[str]) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from tito_addon.tools.redrive import Scorer, redrive
-    from tito_addon.tito_errors import TitoError, UpstreamPassthrough
     from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+    from tito_addon.tools.redrive import Scorer, redrive
 
     parser = argparse.ArgumentParser(
         prog="python -m tito_addon redrive",
@@ -161,8 +161,8 @@ def audit_command(argv: list[str]) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from tito_addon.engine.tokenizer_loading import load_tokenizer
     from tito_addon.tools.drift_audit import CLASSES, audit_session
-    from tito_addon.engine.token_engine import load_tokenizer
 
     parser = argparse.ArgumentParser(
         prog="python -m tito_addon audit",
@@ -221,8 +221,8 @@ def audit_command(argv: list[str]) -> int:
 
 def verify_template_command(argv: list[str]) -> int:
     from tito_addon.engine.model_families import FAMILIES
+    from tito_addon.engine.tokenizer_loading import load_tokenizer
     from tito_addon.tools.template_verifier import render_report, verify
-    from tito_addon.engine.token_engine import load_tokenizer
 
     parser = argparse.ArgumentParser(
         prog="python -m tito_addon verify-template",

@@ -13,10 +13,10 @@ import os
 import time
 from pathlib import Path
 
-from tito_addon.replicas.proxy_process import REPO, Mitmdump
 from tito_addon.records.record_reader import read_session_file
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.replicas.proxy_process import REPO, Mitmdump
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 TOOLS = [
     {

@@ -24,10 +24,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tito_addon.sessions.message_keys import template_message
+from tito_addon.canonical_chat import ChatMessage
+from tito_addon.engine.template_messages import template_message
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile
-from tito_addon.canonical_chat import ChatMessage
 
 CLASSES = (
     "bpe_resplit",

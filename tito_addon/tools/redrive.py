@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
-from tito_addon.backends.upstream_client import UpstreamClient
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tito_addon.sessions.message_keys import template_message
-from tito_addon.engine.model_families import FAMILIES, suggest_family
-from tito_addon.tito_errors import TitoError
-from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.engine.model_families import FAMILIES, suggest_family
+from tito_addon.engine.template_messages import template_message
+from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
+from tito_addon.tito_errors import TitoError
 
 TOOLS = [
     {

@@ -13,29 +13,27 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from pydantic import ValidationError
-
-from tito_addon.backends.backend_protocol import Backend, BackendResult, BackendTurn, StreamEnd
-from tito_addon.sessions.message_keys import message_key
+from tito_addon.backends.backend_protocol import Backend, BackendResult, BackendTurn
+from tito_addon.canonical_chat import ChatMessage, ChatRequest
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
+from tito_addon.engine.token_engine import PromptPiece, TokenEngine
+from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.openai_chat import CHAT_PATH, SSE_HEADERS, parse_request, sse_from_completion
 from tito_addon.records.record_models import SegmentSpan, TokenizerInfo, TurnRecord
 from tito_addon.records.record_reader import RecordError, read_session_file, rebuild_session
-from tito_addon.sessions.session_tree import Attachment, Session, SessionStore, TurnNode
-from tito_addon.protocols.openai_chat import SSE_HEADERS, sse_from_completion
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
-from tito_addon.engine.token_engine import PromptPiece, TokenEngine
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
-from tito_addon.canonical_chat import ChatMessage, ChatRequest, session_id_problem
+from tito_addon.sessions.message_keys import message_key
+from tito_addon.sessions.session_ids import session_id_problem
+from tito_addon.sessions.session_tree import Attachment, Session, SessionStore, TurnNode
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
+from tito_addon.turns.live_stream import LiveStream
 
 logger = logging.getLogger(__name__)
 
-# The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
-CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
 SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
 DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 SAMPLING_KEYS = (
@@ -52,66 +50,9 @@ DROPPED_HEADERS = frozenset(
 )  # fmt: skip
 
 
-@dataclass
-class HttpReply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def json_reply(status: int, body: bytes, metadata: dict[str, Any] | None = None) -> HttpReply:
-    return HttpReply(status, {"content-type": "application/json"}, body, metadata or {})
-
-
-def is_chat_path(path: str) -> bool:
-    return CHAT_PATH.match(path) is not None
-
-
 def strip_session_prefix(path: str) -> str:
     """`/sessions/{id}/v1/models` -> `/v1/models`: session-scoped base URLs reach the backend's own routes."""
     return SESSION_PREFIX.sub("", path, count=1)
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise BadRequest(f"duplicate JSON key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _reject_constant(name: str) -> Any:
-    raise BadRequest(f"{name} is not valid JSON")
-
-
-def parse_body(body: bytes) -> ChatRequest:
-    return parse_request(body)[0]
-
-
-def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
-    """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest("request body is not valid UTF-8") from exc
-    try:
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
-    except RecursionError as exc:
-        raise BadRequest("request body is nested too deeply") from exc
-    except ValueError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        return ChatRequest.model_validate(obj), obj
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise BadRequest(f"invalid chat request at {where}: {first.get('msg')}") from exc
-    except RecursionError as exc:
-        raise BadRequest("request body is nested too deeply") from exc
 
 
 def checked_session_id(value: str | None, where: str) -> str | None:
@@ -292,7 +233,12 @@ class TurnService:
             if isinstance(exc, StopAsyncIteration):
                 exc = UpstreamMalformed("backend stream ended before its first chunk")
             return await self._error_reply(exc)
-        return LiveStream(self, prepared, headers, events, first, busy)
+        return LiveStream(
+            events,
+            first,
+            commit=lambda result: self.finish(prepared, result, headers),
+            release=lambda: self._release(busy),
+        )
 
     async def _error_reply(self, exc: BaseException) -> HttpReply:
         if isinstance(exc, UpstreamPassthrough):
@@ -419,49 +365,3 @@ class TurnService:
             self.recorder.close_session(session.session_id, session.turns, reason)
         except OSError:
             logger.exception("could not close the record of session %s", session.session_id)
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-class LiveStream:
-    """A turn streaming to the agent: chunks as the backend makes them, then (after the commit) the tail.
-
-    A failure mid-stream ends it with an SSE error event and no [DONE]; closing it early (the agent went away)
-    closes the upstream request. Either way nothing is recorded."""
-
-    headers = {**SSE_HEADERS, "x-tito-stream": "live"}
-
-    def __init__(
-        self,
-        service: TurnService,
-        prepared: PreparedTurn,
-        headers: dict[str, str],
-        events: AsyncIterator[dict[str, Any] | StreamEnd],
-        first: dict[str, Any] | StreamEnd,
-        busy: Session | None,
-    ) -> None:
-        self.service, self.prepared, self.request_headers = service, prepared, headers
-        self.events, self.first, self.busy = events, first, busy
-        self.metadata: dict[str, Any] = {}
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            event: dict[str, Any] | StreamEnd = self.first
-            while True:
-                if isinstance(event, StreamEnd):
-                    self.metadata = self.service.finish(self.prepared, event.result, self.request_headers)
-                    for chunk in event.tail:
-                        yield sse_event(chunk)
-                    yield b"data: [DONE]\n\n"
-                    return
-                yield sse_event(event)
-                event = await anext(self.events)
-        except (TitoError, UpstreamPassthrough) as error:
-            message = error.message if isinstance(error, TitoError) else f"backend answered {error.status}"
-            logger.warning("turn stream failed: %s", message)
-            yield sse_event({"error": {"message": f"{message}; nothing was recorded", "type": "tito_stream_error"}})
-        finally:
-            await self.events.aclose()
-            self.service._release(self.busy)

@@ -1,0 +1,33 @@
+"""The message dicts a chat template sees, made from canonical chat messages.
+
+Templates differ in what they read (a string or parts, arguments as text or as objects, `reasoning_content` or
+`reasoning`), so every render in the package goes through this one shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tito_addon.canonical_chat import ChatMessage, parse_arguments
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """The dict a chat template sees: content as a string, arguments parsed, reasoning under one key."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    reasoning = message.reasoning_text()
+    if reasoning is not None and message.role == "assistant":
+        rendered["reasoning_content"] = reasoning
+    return rendered

@@ -1,0 +1,58 @@
+"""A turn streamed to the agent as the backend generates it; committed only when the backend finishes it.
+
+The stream knows nothing of sessions: it is handed the commit to run on the backend's last event and the
+release to run however it ends, so the turn service keeps every state change in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from tito_addon.backends.backend_protocol import BackendResult, StreamEnd
+from tito_addon.protocols.openai_chat import SSE_HEADERS, sse_event
+from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+
+logger = logging.getLogger(__name__)
+
+
+class LiveStream:
+    """A turn streaming to the agent: chunks as the backend makes them, then (after the commit) the tail.
+
+    A failure mid-stream ends it with an SSE error event and no [DONE]; closing it early (the agent went away)
+    closes the upstream request. Either way nothing is recorded."""
+
+    headers = {**SSE_HEADERS, "x-tito-stream": "live"}
+
+    def __init__(
+        self,
+        events: AsyncIterator[dict[str, Any] | StreamEnd],
+        first: dict[str, Any] | StreamEnd,
+        *,
+        commit: Callable[[BackendResult], dict[str, Any]],
+        release: Callable[[], None],
+    ) -> None:
+        self.events, self.first = events, first
+        self.commit, self.release = commit, release
+        self.metadata: dict[str, Any] = {}
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            event: dict[str, Any] | StreamEnd = self.first
+            while True:
+                if isinstance(event, StreamEnd):
+                    self.metadata = self.commit(event.result)
+                    for chunk in event.tail:
+                        yield sse_event(chunk)
+                    yield b"data: [DONE]\n\n"
+                    return
+                yield sse_event(event)
+                event = await anext(self.events)
+        except (TitoError, UpstreamPassthrough) as error:
+            message = error.message if isinstance(error, TitoError) else f"backend answered {error.status}"
+            logger.warning("turn stream failed: %s", message)
+            yield sse_event({"error": {"message": f"{message}; nothing was recorded", "type": "tito_stream_error"}})
+        finally:
+            await self.events.aclose()
+            self.release()
