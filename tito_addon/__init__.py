@@ -2,15 +2,24 @@
 
 Load it with `mitmdump -s tito_addon/__init__.py --mode reverse:http://HOST:PORT --set tito_tokenizer=...`
 or `python -m tito_addon [mitmdump args]`. This file works both as mitmproxy's script and as the package's
-`__init__`: loaded as a script, it puts the repository root on sys.path and drops cached `tito_addon`
-modules, so a hot reload (touching this file) re-imports the whole package.
+`__init__`: loaded as a script, it takes its own folder off sys.path, puts the repository root there and drops
+cached `tito_addon` modules, so a hot reload (touching this file) re-imports the whole package.
+
+The package is layered; each sub-package's `__init__` says what it owns and what it may import, and
+tests/test_layers.py holds the walls: `canonical_chat` and `tito_errors` (the ground) <- `engine`, `sessions`
+<- `records`; `backends`, `protocols` <- `turns` <- `proxy`; `tools` over all of them; `replicas` apart.
 """
 
 if __name__.startswith("__mitmproxy_script__."):
     import os as _os
     import sys as _sys
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _package = _os.path.dirname(_os.path.abspath(__file__))
+    # mitmproxy put this folder on sys.path to load the script and never takes it off (its restore is a no-op).
+    # Left there, each sub-package here (engine, proxy, tools, ...) would also be a top-level name, shadowing any
+    # real package of that name for every later import in the process; so it goes before anything is imported.
+    _sys.path[:] = [p for p in _sys.path if not (isinstance(p, str) and _os.path.abspath(p or ".") == _package)]
+    _root = _os.path.dirname(_package)
     if _root not in _sys.path:
         _sys.path.insert(0, _root)
     for _name in [n for n in _sys.modules if n == "tito_addon" or n.startswith("tito_addon.")]:

@@ -1,0 +1,237 @@
+"""The package's walls, read from its source with `ast`: who may import whom, and no name that shadows another.
+
+Layers (each sub-package's `__init__` docstring says the same in prose):
+
+    ground      canonical_chat, tito_errors: imported by everyone, import no layer
+    engine      ground
+    sessions    ground
+    records     ground, sessions
+    backends    ground, engine
+    protocols   ground
+    turns       every core layer above
+    proxy       turns and everything below it; with tools, the only users of mitmproxy
+    tools       everything; of the replicas only the demo and the reference-backend subcommand
+    replicas    only each other, so they stay independent of the code they stand in for
+
+`test_a_planted_violation_is_caught` plants one violation of each kind in a copy of the tree and shows the
+checker names it, so the rules are known to bite.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "tito_addon"
+
+GROUND = "ground"
+ENTRY = "entry"  # the package's own __init__ (mitmproxy's script) and __main__
+CORE = {GROUND, "engine", "sessions", "records", "backends", "protocols"}
+ALLOWED: dict[str, set[str]] = {
+    GROUND: {GROUND},
+    "engine": {GROUND, "engine"},
+    "sessions": {GROUND, "sessions"},
+    "records": {GROUND, "sessions", "records"},
+    "backends": {GROUND, "engine", "backends"},
+    "protocols": {GROUND, "protocols"},
+    "turns": CORE | {"turns"},
+    "proxy": CORE | {"turns", "proxy"},
+    "tools": CORE | {"turns", "proxy", "tools"},
+    "replicas": {"replicas"},
+    ENTRY: {"proxy", "tools"},
+}
+#: The only modules outside `replicas` that may import a replica (the demo runs one; `reference-backend` serves one).
+REPLICA_USERS = {"tito_addon.tools.demo_run", "tito_addon.tools.cli"}
+MITMPROXY_USERS = {"proxy", "tools"}
+#: Never imported by any module of the package: the addon loads tokenizers and templates, never a model.
+FORBIDDEN_EVERYWHERE = {"torch"}
+MAX_LINES = 500
+LONG_REASON = "Why this module is long:"
+
+
+@dataclass(frozen=True)
+class Violation:
+    module: str
+    imported: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.module} imports {self.imported}: {self.rule}"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str, root: Path) -> str:
+    """A module's layer: its sub-package, `ground` for a module at the package root, `entry` for the package."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return ENTRY
+    return parts[1] if (root / parts[1]).is_dir() else GROUND
+
+
+def imports_of(path: Path, module: str) -> list[str]:
+    """Every module this file imports, anywhere in it (functions and TYPE_CHECKING blocks too), made absolute."""
+    tree = ast.parse(path.read_text("utf-8"), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from tito_addon import engine` imports the sub-package `engine`.
+            found += [f"{target}.{alias.name}" if target in ("tito_addon",) else target for alias in node.names]
+    return found
+
+
+def violations(root: Path) -> list[Violation]:
+    out: list[Violation] = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        layer = layer_of(module, root)
+        if layer not in ALLOWED:
+            out.append(Violation(module, "-", f"{layer!r} is not a known layer; add it to the table in this test"))
+            continue
+        for imported in imports_of(path, module):
+            top = imported.split(".")[0]
+            if top in FORBIDDEN_EVERYWHERE:
+                out.append(Violation(module, imported, f"{top} is never imported by the package"))
+            elif top == "mitmproxy" and layer not in MITMPROXY_USERS:
+                out.append(Violation(module, imported, "only proxy/ and tools/ import mitmproxy"))
+            elif top == "tito_addon":
+                target = layer_of(imported, root)
+                if target == "replicas" and layer != "replicas" and module not in REPLICA_USERS:
+                    out.append(Violation(module, imported, "replicas are imported only by the demo and tests"))
+                elif target != "replicas" and target not in ALLOWED[layer]:
+                    out.append(Violation(module, imported, f"{layer} may import only {sorted(ALLOWED[layer])}"))
+    return out
+
+
+def test_the_package_keeps_its_walls() -> None:
+    found = violations(PACKAGE)
+    assert not found, "\n".join(str(v) for v in found)
+
+
+def test_every_layer_is_a_sub_package_with_its_own_docstring() -> None:
+    for layer in ALLOWED:
+        if layer in (GROUND, ENTRY):
+            continue
+        init = PACKAGE / layer / "__init__.py"
+        assert init.is_file(), f"{layer}/ has no __init__.py"
+        docstring = ast.get_docstring(ast.parse(init.read_text("utf-8")))
+        assert docstring and "import" in docstring, f"{layer}/__init__.py must say what it owns and may import"
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert subpackages == set(ALLOWED) - {GROUND, ENTRY}
+
+
+PLANTED = [
+    ("engine/planted.py", "from tito_addon.proxy.capture_addon import TitoAddon\n", "engine may import only"),
+    ("engine/planted.py", "from tito_addon.sessions.session_tree import TurnNode\n", "engine may import only"),
+    ("sessions/planted.py", "from ..records import record_reader\n", "sessions may import only"),
+    ("records/planted.py", "def lazy():\n    from tito_addon.backends import upstream_client\n", "records may"),
+    ("backends/planted.py", "import mitmproxy.http\n", "only proxy/ and tools/ import mitmproxy"),
+    ("backends/planted.py", "from tito_addon.records.record_models import TurnRecord\n", "backends may import only"),
+    ("protocols/planted.py", "from tito_addon.turns import turn_service\n", "protocols may import only"),
+    ("canonical_planted.py", "from tito_addon.engine import token_engine\n", "ground may import only"),
+    ("turns/planted.py", "from tito_addon.replicas.sglang_replica import ReplicaThread\n", "replicas are imported"),
+    ("replicas/planted.py", "from tito_addon.engine.token_engine import TokenEngine\n", "replicas may import only"),
+    ("tools/planted.py", "from tito_addon.replicas import vllm_replica\n", "replicas are imported only"),
+    ("turns/planted.py", "import torch\n", "never imported by the package"),
+    ("newlayer/__init__.py", '"""A layer nobody has placed."""\n', "is not a known layer"),
+]
+
+
+@pytest.mark.parametrize(("where", "source", "rule"), PLANTED, ids=[f"{w}:{r}" for w, _, r in PLANTED])
+def test_a_planted_violation_is_caught(tmp_path: Path, where: str, source: str, rule: str) -> None:
+    copy = tmp_path / "tito_addon"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.jinja"))
+    assert violations(copy) == []
+    (copy / where).parent.mkdir(exist_ok=True)
+    (copy / where).write_text(source)
+    found = violations(copy)
+    assert len(found) == 1 and rule in found[0].rule, found
+    assert found[0].module == module_name(copy / where, copy)
+
+
+def test_no_module_outside_replicas_is_long_without_a_reason() -> None:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "replicas" in path.relative_to(PACKAGE).parts:
+            continue
+        text = path.read_text("utf-8")
+        lines = text.count("\n")
+        if lines > MAX_LINES:
+            docstring = ast.get_docstring(ast.parse(text)) or ""
+            assert LONG_REASON in docstring, f"{path.relative_to(REPO)} has {lines} lines and no '{LONG_REASON}'"
+
+
+def top_level_names() -> set[str]:
+    """What the process could import by a top-level name: the standard library and every installed distribution."""
+    names = set(sys.stdlib_module_names) | set(sys.builtin_module_names)
+    for dist in importlib.metadata.distributions():
+        top_level = dist.read_text("top_level.txt")
+        if top_level:
+            names.update(top_level.split())
+        for file in dist.files or ():
+            first = file.parts[0]
+            if first.endswith(".py"):
+                names.add(first[:-3])
+            elif len(file.parts) > 1 and not first.endswith((".dist-info", ".egg-info", ".data")):
+                names.add(first)
+    return names
+
+
+def test_no_name_in_the_package_folder_shadows_an_importable_one() -> None:
+    """mitmproxy puts the script's folder on sys.path; every entry in it is then a top-level name."""
+    entries = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    entries -= {"__init__", "__main__"}
+    installed = top_level_names()
+    assert len(installed) > 100  # the check really sees the venv (mitmproxy, transformers, pydantic, ...)
+    assert {"mitmproxy", "pydantic", "json", "http"} <= installed
+    clashes = sorted(entries & installed)
+    assert not clashes, f"these would shadow an importable module under mitmdump: {clashes}"
+    elsewhere = [p for p in sys.path if isinstance(p, str) and os.path.abspath(p or ".") != str(PACKAGE)]
+    found = [name for name in sorted(entries) if PathFinder.find_spec(name, elsewhere) is not None]
+    assert not found, f"importable from elsewhere on sys.path: {found}"
+
+
+def test_loading_the_script_leaves_its_folder_off_sys_path() -> None:
+    """Loaded the way mitmproxy loads `-s tito_addon/__init__.py` (relative path, from the repository root),
+    the package folder is not left on sys.path, so `import engine` finds nothing."""
+    probe = (
+        "import os, sys\n"
+        "from mitmproxy.addons.script import load_script\n"
+        "module = load_script('tito_addon/__init__.py')\n"
+        "assert module is not None and [type(a).__name__ for a in module.addons] == ['TitoReplay', 'TitoAddon']\n"
+        "package = os.path.abspath('tito_addon')\n"
+        "left = [p for p in sys.path if isinstance(p, str) and os.path.abspath(p or '.') == package]\n"
+        "assert not left, left\n"
+        "for name in ('engine', 'proxy', 'tools', 'canonical_chat'):\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise AssertionError(name + ' is importable as a top-level name')\n"
+        "print('clean')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "clean", result.stderr[-2000:]
