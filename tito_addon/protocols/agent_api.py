@@ -1,0 +1,146 @@
+"""What every agent-facing API provides to the turn: a route, a parsed request, and a responder per turn.
+
+An API module translates its request into the canonical chat form (the engine, the session tree and the backends
+see nothing else) and translates the completed turn back. Streaming is one mechanism for every API: a responder
+consumes canonical `chat.completion.chunk` dicts, live from the backend or made from a finished message
+(`chunks_from_message`), so a re-framed stream and a live one are written by the same code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tito_addon.canonical_chat import ChatRequest
+from tito_addon.protocols.http_reply import HttpReply
+from tito_addon.protocols.turn_refs import TurnSigner
+from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: its API, the action, the session id in its path, and the backend's chat path."""
+
+    api: AgentApi
+    action: str  # "turn", or "count_tokens"
+    path_session_id: str | None  # still percent-encoded, as it appeared in `/sessions/{id}/`
+    chat_path: str  # the backend's chat-completions path for this turn (the agent's own prefix kept)
+
+
+@dataclass
+class AgentRequest:
+    """An agent's request in the canonical form, with what its own form adds."""
+
+    chat: ChatRequest
+    chat_body: dict[str, Any]  # what the backend receives besides the ids (the canonical chat body)
+    stream: bool
+    # The request's conversation in its own form, and for each canonical message the index of the item it came
+    # from: what a turn appended is recorded in both forms.
+    items: list[dict[str, Any]] = field(default_factory=list)
+    item_of: list[int] = field(default_factory=list)
+    thinking: bool | None = None  # the agent's thinking switch, where its API has one
+    previous_response_id: str | None = None
+    # What the prompt leaves out of the request and the record says (hosted tools, unreadable reasoning).
+    dropped: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # API-specific reply options
+
+    def appended_items(self, first_appended: int) -> list[dict[str, Any]]:
+        """The agent's own items from the one the first appended canonical message came from."""
+        if not self.items or first_appended >= len(self.item_of):
+            return []
+        return self.items[self.item_of[first_appended] :]
+
+
+@dataclass
+class TurnOutcome:
+    """A committed turn, as the responders need it."""
+
+    message: dict[str, Any]  # the assistant message as the agent sees it (after `Responder.adapt`)
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    agent_body: dict[str, Any]  # the backend's chat completion (the chat API answers with it)
+    agent_bytes: bytes | None
+    matched_stop: str | None
+    headers: dict[str, str]
+
+
+class Responder(Protocol):
+    """One turn's answer in its API: minted ids, the whole reply, and the stream."""
+
+    stream_headers: dict[str, str]
+    reply_id: str | None  # recorded with the turn
+
+    def adapt(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The assistant message as this API presents it (tool-call ids it minted): committed and echoed back."""
+        ...
+
+    def reply(self, outcome: TurnOutcome) -> HttpReply: ...
+
+    def stream_start(self) -> bytes: ...
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes: ...
+
+    def stream_error(self, message: str) -> bytes: ...
+
+
+class AgentApi(Protocol):
+    name: str  # recorded as the turn's `api`
+
+    def route(self, path: str) -> Route | None: ...
+
+    def parse(self, body: bytes, action: str = "turn") -> AgentRequest: ...
+
+    def reply_id(self) -> str | None:
+        """A fresh id for one turn's reply, or None where the backend's own completion id is the reply's."""
+        ...
+
+    def responder(self, request: AgentRequest, context: ReplyContext) -> Responder: ...
+
+    def error_body(self, error: TitoError) -> bytes: ...
+
+    def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes: ...
+
+    def count_tokens_body(self, count: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class ReplyContext:
+    """What a responder may need from the turn before the backend answers."""
+
+    reply_id: str  # the id the agent gets for this turn (`msg_…`, `resp_…`); recorded with the turn
+    prompt_tokens: int
+    signer: TurnSigner  # thinking signatures, encrypted_content
+
+
+def chunks_from_message(
+    base: dict[str, Any], message: dict[str, Any], finish_reason: str | None
+) -> list[dict[str, Any]]:
+    """A finished assistant message as the `chat.completion.chunk`s a backend would have streamed (without the
+    finish chunk, which the responder writes after the commit)."""
+
+    def chunk(delta: dict[str, Any]) -> dict[str, Any]:
+        return {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+
+    out = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        out.append(chunk({"reasoning_content": reasoning}))
+    if message.get("content"):
+        out.append(chunk({"content": message["content"]}))
+    for position, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {}
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        delta_call = {
+            "index": position,
+            "id": call.get("id"),
+            "type": "function",
+            "function": {"name": function.get("name"), "arguments": arguments},
+        }
+        out.append(chunk({"tool_calls": [delta_call]}))
+    return out

@@ -1,0 +1,458 @@
+"""Anthropic Messages (`POST …/v1/messages`, Claude Code's only API), translated to and from the canonical form.
+
+Request -> canonical chat messages:
+- `system` (a string or text blocks) is the first system message; a block that starts with
+  `x-anthropic-billing-header` is vendor billing metadata, not conversation, and is dropped as vLLM's own
+  `/v1/messages` drops it, so the model sees what it would see there. `role: "system"` entries inside `messages`
+  (Claude Code's environment block) stay system messages in place.
+- A user message's `tool_result` blocks become tool messages, in order (string or text-block content; `is_error`
+  is not rendered, as in vLLM), then its text blocks one user message. A lone text block and a plain string are the
+  same message; `cache_control` markers are not part of a message.
+- An assistant message: `thinking` blocks are its reasoning, text blocks its content, `tool_use` blocks its tool
+  calls (id, name, `input` as the arguments object). `redacted_thinking` cannot be read: it is left out of the
+  prompt and the record says so. Images are refused (400): no supported model family reads them.
+- Identity (what must repeat for a request to extend a stored turn) is therefore role, text, tool-call id, name
+  and arguments as a JSON value, tool-result id and text; reasoning follows the session tree's reasoning rule.
+
+Reply: `msg_…` id, blocks thinking (with our signature), text, tool_use (`toolu_…` ids, minted here and committed
+with the turn, so the echoed history matches), `stop_reason` from the finish reason and the matched stop
+sequence, exact token counts. Streams are the event sequence the anthropic SDK accumulates, with `event:` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from tito_addon.canonical_chat import ChatRequest, parse_arguments
+from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, TurnOutcome, chunks_from_message
+from tito_addon.protocols.anthropic_models import (
+    ImageBlock,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolChoice,
+    ToolParam,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from tito_addon.protocols.http_reply import HttpReply
+from tito_addon.protocols.json_body import parse_json_object
+from tito_addon.protocols.turn_refs import TurnSigner, new_id
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
+
+MESSAGES_PATH = re.compile(
+    r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?#]*)?)/v1/messages(?P<count>/count_tokens)?/?(?:\?.*)?$"
+)
+BILLING_PREFIX = "x-anthropic-billing-header"
+THINKING_PURPOSE = "anthropic-thinking"
+SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+    529: "overloaded_error",
+}  # fmt: skip
+
+
+def _text_of(blocks: list[TextBlock]) -> list[dict[str, str]]:
+    return [{"type": "text", "text": block.text} for block in blocks]
+
+
+def _no_images(blocks: list[Any], where: str) -> None:
+    if any(isinstance(block, ImageBlock) for block in blocks):
+        raise BadRequest(f"{where} holds an image: the served model family reads text only; nothing was forwarded")
+
+
+class Translation:
+    """One request's canonical messages, with the native item each came from and what the prompt leaves out."""
+
+    def __init__(self, signer: TurnSigner | None) -> None:
+        self.signer = signer
+        self.messages: list[dict[str, Any]] = []
+        self.item_of: list[int] = []
+        self.dropped: list[str] = []
+
+    def add(self, item: int, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self.item_of.append(item)
+
+    def system(self, item: int, content: str | list[TextBlock], where: str) -> None:
+        if isinstance(content, str):
+            if not content.startswith(BILLING_PREFIX):
+                self.add(item, {"role": "system", "content": content})
+            return
+        kept = [block for block in content if not block.text.startswith(BILLING_PREFIX)]
+        if len(kept) < len(content):
+            self.dropped.append(f"{where}: the {BILLING_PREFIX} block")
+        if kept:
+            self.add(item, {"role": "system", "content": _text_of(kept)})
+
+    def user(self, item: int, content: str | list[Any], where: str) -> None:
+        if isinstance(content, str):
+            self.add(item, {"role": "user", "content": content})
+            return
+        _no_images(content, where)
+        texts: list[TextBlock] = []
+        for block in content:
+            if isinstance(block, ToolResultBlock):
+                result = block.content
+                if isinstance(result, list):
+                    _no_images(result, f"{where} tool_result {block.tool_use_id}")
+                    result = "\n".join(part.text for part in result)
+                self.add(item, {"role": "tool", "tool_call_id": block.tool_use_id, "content": result or ""})
+            elif isinstance(block, TextBlock):
+                texts.append(block)
+            else:
+                raise BadRequest(f"{where}: a user message cannot hold a {block.type} block")
+        if texts:
+            self.add(item, {"role": "user", "content": _text_of(texts)})
+
+    def assistant(self, item: int, content: str | list[Any], where: str) -> None:
+        if isinstance(content, str):
+            self.add(item, {"role": "assistant", "content": content})
+            return
+        _no_images(content, where)
+        thinking: list[str] = []
+        texts: list[TextBlock] = []
+        calls: list[dict[str, Any]] = []
+        for block in content:
+            if isinstance(block, ThinkingBlock):
+                thinking.append(block.thinking)
+                if block.signature and self.signer is not None:
+                    if self.signer.verify_text(THINKING_PURPOSE, block.signature, block.thinking) is None:
+                        self.dropped.append(f"{where}: a thinking signature that is not ours (read as plain text)")
+            elif isinstance(block, RedactedThinkingBlock):
+                self.dropped.append(f"{where}: a redacted_thinking block (unreadable, left out of the prompt)")
+            elif isinstance(block, TextBlock):
+                texts.append(block)
+            elif isinstance(block, ToolUseBlock):
+                calls.append(
+                    {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+                )
+            else:
+                raise BadRequest(f"{where}: an assistant message cannot hold a {block.type} block")
+        message: dict[str, Any] = {"role": "assistant", "content": _text_of(texts) if texts else None}
+        if thinking:
+            message["reasoning_content"] = "".join(thinking)
+        if calls:
+            message["tool_calls"] = calls
+        self.add(item, message)
+
+
+def chat_tools(tools: list[ToolParam] | None, dropped: list[str]) -> list[dict[str, Any]] | None:
+    """Client tools as chat functions; server tools the backend cannot run (web search, ...) are left out."""
+    out = []
+    for tool in tools or []:
+        if tool.type not in (None, "custom"):
+            dropped.append(f"tool {tool.name!r} of type {tool.type!r} (a server tool the backend cannot run)")
+            continue
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema or {"type": "object"}}
+        if tool.description is not None:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def chat_tool_choice(choice: ToolChoice | None) -> Any:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+    return f"invalid messages request at {where}: {first.get('msg')}"
+
+
+class AnthropicMessagesApi:
+    name = "anthropic_messages"
+
+    def __init__(self, signer: TurnSigner | None = None) -> None:
+        self.signer = signer
+
+    def route(self, path: str) -> Route | None:
+        match = MESSAGES_PATH.match(path)
+        if match is None:
+            return None
+        action = "count_tokens" if match.group("count") else "turn"
+        return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")
+
+    def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
+        raw = parse_json_object(body)
+        try:
+            request = MessagesRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise BadRequest(_validation_message(exc)) from exc
+        except RecursionError as exc:
+            raise BadRequest("request body is nested too deeply") from exc
+        if action == "turn" and request.max_tokens is None:
+            raise BadRequest("invalid messages request at max_tokens: Field required")
+        translation = Translation(self.signer)
+        items: list[dict[str, Any]] = []
+        if request.system is not None:
+            items.append({"role": "system", "content": raw["system"]})
+            translation.system(0, request.system, "system")
+        offset = len(items)
+        for position, message in enumerate(request.messages):
+            where = f"messages.{position}"
+            item = offset + position
+            if message.role == "system":
+                content = message.content
+                if not isinstance(content, str) and not all(isinstance(b, TextBlock) for b in content):
+                    raise BadRequest(f"{where}: a system message holds only text")
+                translation.system(item, content, where)  # type: ignore[arg-type]
+            elif message.role == "user":
+                translation.user(item, message.content, where)
+            else:
+                translation.assistant(item, message.content, where)
+        items += raw["messages"]
+        if not translation.messages:
+            raise BadRequest("the request has no message the model can read")
+        dropped = translation.dropped
+        chat_body: dict[str, Any] = {"model": request.model, "messages": translation.messages}
+        tools = chat_tools(request.tools, dropped)
+        if tools:
+            chat_body["tools"] = tools
+        choice = chat_tool_choice(request.tool_choice)
+        if choice is not None and tools:
+            chat_body["tool_choice"] = choice
+        if request.tool_choice is not None and request.tool_choice.disable_parallel_tool_use is not None:
+            chat_body["parallel_tool_calls"] = not request.tool_choice.disable_parallel_tool_use
+        for name in ("max_tokens", "temperature", "top_p", "top_k"):
+            value = getattr(request, name)
+            if value is not None:
+                chat_body[name] = value
+        if request.stop_sequences:
+            chat_body["stop"] = list(request.stop_sequences)
+        try:
+            chat = ChatRequest.model_validate(chat_body)
+        except ValidationError as exc:
+            raise BadRequest(_validation_message(exc)) from exc
+        thinking = None if request.thinking is None else request.thinking.type != "disabled"
+        return AgentRequest(
+            chat=chat,
+            chat_body=chat_body,
+            stream=bool(request.stream),
+            items=items,
+            item_of=translation.item_of,
+            thinking=thinking,
+            dropped=dropped,
+            extra={"model": request.model, "stop_sequences": request.stop_sequences or []},
+        )
+
+    def reply_id(self) -> str | None:
+        return new_id("msg_")
+
+    def responder(self, request: AgentRequest, context: ReplyContext) -> AnthropicResponder:
+        return AnthropicResponder(request, context)
+
+    def error_body(self, error: TitoError) -> bytes:
+        return error_json(error.status, error.message)
+
+    def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes:
+        message = f"backend answered {upstream.status}"
+        try:
+            parsed = json.loads(upstream.body)
+            detail = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+            if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+                message = f"{message}: {detail['message']}"
+            elif isinstance(detail, str):
+                message = f"{message}: {detail}"
+        except ValueError:
+            text = upstream.body[:500].decode("utf-8", "replace").strip()
+            if text:
+                message = f"{message}: {text}"
+        return error_json(upstream.status, message)
+
+    def count_tokens_body(self, count: int) -> bytes:
+        return json.dumps({"input_tokens": count}).encode()
+
+
+def error_json(status: int, message: str) -> bytes:
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, ensure_ascii=False).encode()
+
+
+def _event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class AnthropicResponder:
+    """Answers one turn: the message object, or its event stream (live or re-framed, from canonical chunks)."""
+
+    stream_headers = SSE_HEADERS
+
+    def __init__(self, request: AgentRequest, context: ReplyContext) -> None:
+        self.request = request
+        self.context = context
+        self.reply_id = context.reply_id
+        self.model = request.extra["model"]
+        self.stop_sequences: list[str] = request.extra["stop_sequences"]
+        self.tool_ids: dict[int, str] = {}
+        # stream state: the open block (kind, tool index), its index, and the reasoning of the open thinking block
+        self.open: tuple[str, int] | None = None
+        self.index = -1
+        self.reasoning = ""
+        self.pending_text = ""  # leading whitespace, held until text follows (a blank text block is never sent)
+
+    def tool_id(self, position: int) -> str:
+        if position not in self.tool_ids:
+            self.tool_ids[position] = new_id("toolu_")
+        return self.tool_ids[position]
+
+    def signature(self, reasoning: str) -> str:
+        return self.context.signer.sign_text(THINKING_PURPOSE, self.context.reply_id, reasoning)
+
+    def adapt(self, message: dict[str, Any]) -> dict[str, Any]:
+        adapted = dict(message)
+        calls = message.get("tool_calls")
+        if calls:
+            adapted["tool_calls"] = [{**call, "id": self.tool_id(i)} for i, call in enumerate(calls)]
+        content = message.get("content")
+        if isinstance(content, str) and not content.strip():
+            # A text block must hold non-whitespace text, so the agent never sees (or echoes) this one; the
+            # committed message says what the agent saw. The ids are the model's, whatever the text.
+            adapted["content"] = None
+        return adapted
+
+    def stop(self, outcome: TurnOutcome) -> tuple[str, str | None]:
+        if outcome.finish_reason == "tool_calls" or (
+            outcome.message.get("tool_calls") and outcome.finish_reason == "stop"
+        ):
+            return "tool_use", None
+        if outcome.finish_reason == "length":
+            return "max_tokens", None
+        if outcome.matched_stop is not None and outcome.matched_stop in self.stop_sequences:
+            return "stop_sequence", outcome.matched_stop
+        return "end_turn", None
+
+    def usage(self, outcome: TurnOutcome) -> dict[str, int]:
+        return {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
+
+    def content(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        blocks: list[dict[str, Any]] = []
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if reasoning:
+            blocks.append({"type": "thinking", "thinking": reasoning, "signature": self.signature(reasoning)})
+        if message.get("content"):
+            blocks.append({"type": "text", "text": message["content"]})
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            arguments = parse_arguments(function.get("arguments") or "{}")
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": call["id"],
+                    "name": function.get("name"),
+                    "input": arguments if isinstance(arguments, dict) else {},
+                }
+            )
+        return blocks or [{"type": "text", "text": ""}]
+
+    def reply(self, outcome: TurnOutcome) -> HttpReply:
+        if self.request.stream:
+            chunks = chunks_from_message({}, outcome.message, outcome.finish_reason)
+            body = self.stream_start() + b"".join(self.stream_chunk(c) for c in chunks) + self.stream_end(outcome, [])
+            return HttpReply(200, {**SSE_HEADERS, "x-tito-stream": "reframed"}, body)
+        stop_reason, stop_sequence = self.stop(outcome)
+        payload = {
+            "id": self.context.reply_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.content(outcome.message),
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": self.usage(outcome),
+        }
+        return HttpReply(200, {"content-type": "application/json"}, json.dumps(payload, ensure_ascii=False).encode())
+
+    # -- streaming -----------------------------------------------------------------------------------------------
+
+    def stream_start(self) -> bytes:
+        message = {
+            "id": self.context.reply_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.context.prompt_tokens, "output_tokens": 0},
+        }
+        return _event("message_start", {"type": "message_start", "message": message}) + _event("ping", {"type": "ping"})
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        out = b""
+        if self.open[0] == "thinking":
+            delta = {"type": "signature_delta", "signature": self.signature(self.reasoning)}
+            out += _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        self.open = None
+        return out + _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def _open(self, kind: str, position: int, block: dict[str, Any]) -> bytes:
+        if self.open == (kind, position):
+            return b""
+        out = self._close()
+        self.open = (kind, position)
+        self.index += 1
+        self.reasoning = ""
+        return out + _event(
+            "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
+        )
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> bytes:
+        out = b""
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                out += self._open("thinking", 0, {"type": "thinking", "thinking": ""})
+                self.reasoning += reasoning
+                out += self._delta({"type": "thinking_delta", "thinking": reasoning})
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                if self.open != ("text", 0) and not (self.pending_text + text).strip():
+                    self.pending_text += text
+                else:
+                    text, self.pending_text = self.pending_text + text, ""
+                    out += self._open("text", 0, {"type": "text", "text": ""})
+                    out += self._delta({"type": "text_delta", "text": text})
+            for call in delta.get("tool_calls") or []:
+                position = int(call.get("index", 0))
+                function = call.get("function") or {}
+                block = {
+                    "type": "tool_use",
+                    "id": self.tool_id(position),
+                    "name": function.get("name") or "",
+                    "input": {},
+                }
+                out += self._open("tool_use", position, block)
+                arguments = function.get("arguments")
+                if isinstance(arguments, str) and arguments:
+                    out += self._delta({"type": "input_json_delta", "partial_json": arguments})
+        return out
+
+    def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
+        stop_reason, stop_sequence = self.stop(outcome)
+        delta = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}}
+        delta["usage"] = self.usage(outcome)
+        return self._close() + _event("message_delta", delta) + _event("message_stop", {"type": "message_stop"})
+
+    def stream_error(self, message: str) -> bytes:
+        error = {"type": "api_error", "message": f"{message}; nothing was recorded"}
+        return _event("error", {"type": "error", "error": error})

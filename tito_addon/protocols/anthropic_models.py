@@ -1,0 +1,118 @@
+"""The Anthropic Messages request, as pydantic models: strict where the translation depends on a field (roles,
+block types, tool ids, arguments objects), open elsewhere (unknown fields are accepted and not forwarded)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+from tito_addon.canonical_chat import Number, TokenCount, json_value_problem
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: dict[str, Any]
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1, max_length=256)
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
+    is_error: StrictBool | None = None
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
+]
+
+
+class MessageParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class ToolParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type 'tool' needs a name")
+        return self
+
+
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1)
+    max_tokens: TokenCount | None = None  # required for a turn, optional for count_tokens
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: dict[str, Any] | None = None
+    stream: StrictBool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_json(cls, value: Any) -> Any:
+        problem = json_value_problem(value)
+        if problem is not None:
+            raise ValueError(f"request body cannot be forwarded: {problem}")
+        return value

@@ -1,0 +1,90 @@
+"""Opaque values we mint for agents and they echo back: signed, so an echoed one is known to be ours.
+
+A thinking block's `signature` and a reasoning item's `encrypted_content` are ours to fill; each carries the id
+of the turn that produced it (the reply id recorded with the turn) and is bound to the exact text it stands for
+by an HMAC under the proxy's key. A forged value, one from another key, or one for other text does not verify:
+the block is then plain text, never a failure.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+import zlib
+
+PREFIX = "tito1"
+MAX_BLOB = 4 * 1024 * 1024  # a decompressed reasoning text larger than this is refused, not inflated
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def new_id(prefix: str) -> str:
+    """An id in the vendor's style (`msg_…`, `toolu_…`, `resp_…`): the prefix and 24 random url-safe characters."""
+    return prefix + secrets.token_urlsafe(18).replace("-", "x").replace("_", "y")
+
+
+class TurnSigner:
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the signing key must be at least 16 bytes")
+        self._key = key
+
+    def _mac(self, purpose: str, *parts: bytes) -> bytes:
+        mac = hmac.new(self._key, purpose.encode(), hashlib.sha256)
+        for part in parts:
+            mac.update(len(part).to_bytes(8, "big"))
+            mac.update(part)
+        return mac.digest()[:18]
+
+    def sign_text(self, purpose: str, reply_id: str, text: str) -> str:
+        """A short value binding `text` to the turn `reply_id` (a thinking signature)."""
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        return ".".join((PREFIX, _b64(reply_id.encode()), _b64(self._mac(purpose, reply_id.encode(), digest))))
+
+    def verify_text(self, purpose: str, value: object, text: str) -> str | None:
+        """The reply id a signature names, if it is ours and for exactly this text; else None."""
+        parts = value.split(".") if isinstance(value, str) and len(value) < 1024 else []
+        if len(parts) != 3 or parts[0] != PREFIX:
+            return None
+        try:
+            reply_id, mac = _unb64(parts[1]), _unb64(parts[2])
+        except ValueError:
+            return None
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        if not hmac.compare_digest(mac, self._mac(purpose, reply_id, digest)):
+            return None
+        return reply_id.decode("utf-8", "replace")
+
+    def seal_text(self, purpose: str, reply_id: str, text: str) -> str:
+        """A value carrying `text` itself (compressed), for clients that echo only the value (encrypted_content)."""
+        body = zlib.compress(text.encode("utf-8", "surrogatepass"))
+        rid = reply_id.encode()
+        return ".".join((PREFIX, _b64(rid), _b64(body), _b64(self._mac(purpose, rid, body))))
+
+    def open_text(self, purpose: str, value: object) -> tuple[str, str] | None:
+        """(reply id, text) from a sealed value that is ours; None for anything else."""
+        parts = value.split(".") if isinstance(value, str) and len(value) < 2 * MAX_BLOB else []
+        if len(parts) != 4 or parts[0] != PREFIX:
+            return None
+        try:
+            rid, body, mac = _unb64(parts[1]), _unb64(parts[2]), _unb64(parts[3])
+        except ValueError:
+            return None
+        if not hmac.compare_digest(mac, self._mac(purpose, rid, body)):
+            return None
+        try:
+            inflater = zlib.decompressobj()
+            raw = inflater.decompress(body, MAX_BLOB)
+            if inflater.unconsumed_tail or not inflater.eof:
+                return None
+            return rid.decode("utf-8"), raw.decode("utf-8", "surrogatepass")
+        except (zlib.error, UnicodeDecodeError):
+            return None
