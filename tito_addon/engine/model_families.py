@@ -43,6 +43,14 @@ class ModelFamily:
     tool_call_name_pattern: str | None = None
     # Tokens the model stops on besides the tokenizer's eos (found without a generation_config.json).
     stop_tokens: tuple[str, ...] = ()
+    # The template kwarg that turns thinking on or off, for agents whose API has a thinking switch (Anthropic's
+    # `thinking`); None: the family has no switch (it always reasons, or never does).
+    thinking_switch: str | None = None
+
+    def thinking_kwargs(self, enabled: bool | None) -> dict[str, Any]:
+        if enabled is None or self.thinking_switch is None:
+            return {}
+        return {self.thinking_switch: enabled}
 
     def chat_template(self) -> str | None:
         if self.template_file is None:
@@ -59,6 +67,7 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
         template_file="qwen3_keep_thinking.jinja",
         single_token_newline=True,
+        thinking_switch="enable_thinking",
     ),
     "qwen2.5": ModelFamily(
         name="qwen2.5",

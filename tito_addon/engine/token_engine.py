@@ -155,13 +155,18 @@ class TokenEngine:
             raise TokenizationError("chat template did not render text")
         return text
 
-    def effective_kwargs(self, request_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        """Pinned kwargs overlaid by the request's own: these build the ids and go to the backend."""
+    def effective_kwargs(
+        self, request_kwargs: dict[str, Any] | None, *, thinking: bool | None = None
+    ) -> dict[str, Any]:
+        """Pinned kwargs overlaid by the request's own: these build the ids and go to the backend. An agent API's
+        thinking switch (Anthropic `thinking`) sets the family's kwarg under both: an operator's pin wins over it."""
         request_kwargs = request_kwargs or {}
         bad = FORBIDDEN_KWARGS & set(request_kwargs)
         if bad:
             raise BadRequest(f"chat_template_kwargs may not set {', '.join(sorted(bad))}")
-        return {**self.pinned_kwargs, **request_kwargs}
+        if thinking is None:
+            return {**self.pinned_kwargs, **request_kwargs}
+        return {**self.family.thinking_kwargs(thinking), **self.pinned_kwargs, **request_kwargs}
 
     # -- turns ------------------------------------------------------------------------------------
 

@@ -94,8 +94,9 @@ class AgentApi(Protocol):
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest: ...
 
-    def reply_id(self) -> str | None:
-        """A fresh id for one turn's reply, or None where the backend's own completion id is the reply's."""
+    def reply_id(self, session_id: str | None = None) -> str | None:
+        """A fresh id for one turn's reply (naming its session where that is known and the id must find its turn
+        again), or None where the backend's own completion id is the reply's."""
         ...
 
     def responder(self, request: AgentRequest, context: ReplyContext) -> Responder: ...

@@ -247,7 +247,7 @@ class AnthropicMessagesApi:
             extra={"model": request.model, "stop_sequences": request.stop_sequences or []},
         )
 
-    def reply_id(self) -> str | None:
+    def reply_id(self, session_id: str | None = None) -> str | None:
         return new_id("msg_")
 
     def responder(self, request: AgentRequest, context: ReplyContext) -> AnthropicResponder:

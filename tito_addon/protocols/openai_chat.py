@@ -15,9 +15,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatRequest
+from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, TurnOutcome
+from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.json_body import parse_json_object
-from tito_addon.tito_errors import BadRequest
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
 
+DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 # The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
 CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
 
@@ -95,3 +98,74 @@ def sse_from_completion(completion: dict[str, Any], *, include_usage: bool) -> b
         out.append(sse_event({**base, "choices": [], "usage": completion["usage"]}))
     out.append(b"data: [DONE]\n\n")
     return b"".join(out)
+
+
+class ChatCompletionsApi:
+    """`POST …/v1/chat/completions`: the canonical form itself, answered with the backend's own completion."""
+
+    name = "chat"
+
+    def route(self, path: str) -> Route | None:
+        match = CHAT_PATH.match(path)
+        if match is None:
+            return None
+        return Route(self, "turn", match.group("sid"), match.group("rest"))
+
+    def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
+        request, raw = parse_request(body)
+        # The agent's object as sent (dumping 400 validated messages back cost ~1 ms a turn at turn 200), with
+        # the fields the model declares in their validated form, so "false" never reads as true downstream.
+        chat_body = dict(raw)
+        declared = {name for name in DECLARED_FIELDS if name in chat_body}
+        if declared:
+            chat_body.update(request.model_dump(mode="json", include=declared, by_alias=True))
+        return AgentRequest(chat=request, chat_body=chat_body, stream=bool(request.stream))
+
+    def reply_id(self, session_id: str | None = None) -> str | None:
+        return None
+
+    def responder(self, request: AgentRequest, context: ReplyContext) -> ChatResponder:
+        return ChatResponder(request.chat)
+
+    def error_body(self, error: TitoError) -> bytes:
+        return error.body()
+
+    def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes:
+        return upstream.body
+
+    def count_tokens_body(self, count: int) -> bytes:
+        raise NotImplementedError("chat completions has no count_tokens route")
+
+
+class ChatResponder:
+    stream_headers = SSE_HEADERS
+    reply_id = None
+
+    def __init__(self, request: ChatRequest) -> None:
+        self.request = request
+
+    def adapt(self, message: dict[str, Any]) -> dict[str, Any]:
+        return message
+
+    def reply(self, outcome: TurnOutcome) -> HttpReply:
+        if self.request.stream:
+            include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
+            return HttpReply(
+                200, dict(SSE_HEADERS), sse_from_completion(outcome.agent_body, include_usage=include_usage)
+            )
+        content = outcome.agent_bytes
+        if content is None:
+            content = json.dumps(outcome.agent_body, ensure_ascii=False).encode()
+        return HttpReply(200, {"content-type": "application/json"}, content)
+
+    def stream_start(self) -> bytes:
+        return b""
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> bytes:
+        return sse_event(chunk)
+
+    def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
+        return b"".join(sse_event(chunk) for chunk in tail) + b"data: [DONE]\n\n"
+
+    def stream_error(self, message: str) -> bytes:
+        return sse_event({"error": {"message": f"{message}; nothing was recorded", "type": "tito_stream_error"}})

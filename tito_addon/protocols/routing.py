@@ -5,9 +5,10 @@ from __future__ import annotations
 from tito_addon.protocols.agent_api import AgentApi, Route
 from tito_addon.protocols.anthropic_messages import MESSAGES_PATH, AnthropicMessagesApi
 from tito_addon.protocols.openai_chat import CHAT_PATH, ChatCompletionsApi
+from tito_addon.protocols.openai_responses import RESPONSES_PATH, OpenAIResponsesApi
 from tito_addon.protocols.turn_refs import TurnSigner
 
-AGENT_PATHS = (CHAT_PATH, MESSAGES_PATH)
+AGENT_PATHS = (CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH)
 
 
 def is_agent_path(path: str) -> bool:
@@ -16,7 +17,7 @@ def is_agent_path(path: str) -> bool:
 
 
 def agent_apis(signer: TurnSigner) -> list[AgentApi]:
-    return [ChatCompletionsApi(), AnthropicMessagesApi(signer)]
+    return [ChatCompletionsApi(), AnthropicMessagesApi(signer), OpenAIResponsesApi(signer)]
 
 
 def find_route(apis: list[AgentApi], path: str) -> Route | None:

@@ -27,7 +27,7 @@ from tito_addon.engine.prompt_ids import EncodedPrefixes
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.http_reply import HttpReply, json_reply
-from tito_addon.protocols.openai_chat import is_chat_path
+from tito_addon.protocols.routing import is_agent_path
 from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_models import TurnRecord
@@ -268,7 +268,7 @@ class TitoAddon:
         base_url = self.backend_base_url(flow) if self.settings is not None else None
         if self.settings is not None and base_url is None:
             return  # not a backend host: this flow is none of our business
-        if flow.request.method != "POST" or not is_chat_path(path):
+        if flow.request.method != "POST" or not is_agent_path(path):
             if path.startswith("/sessions/"):
                 flow.request.path = strip_session_prefix(path)
             return

@@ -60,6 +60,13 @@ class TurnRecord(BaseModel):
     assistant_message: dict[str, Any]
     finish_reason: str | None
     ambiguous_parent: bool = False
+    # The agent API the turn came in (chat, anthropic_messages, openai_responses), the id its reply carried,
+    # the appended items in that API's own form (the canonical ones are `appended_messages`), and what the prompt
+    # left out of the request (server tools, unreadable reasoning).
+    api: str = "chat"
+    reply_id: str | None = None
+    appended_items: list[dict[str, Any]] | None = None
+    left_out: list[str] | None = None
     # vLLM: does the server's own from-scratch render equal our ids? {equal, first_divergence}; null on sglang.
     render_skew: dict[str, Any] | None = None
     backend_version: str | None = None
@@ -88,7 +95,8 @@ class TurnRecord(BaseModel):
 # Optional fields left off a line while they hold their default (reading restores it): ~100 bytes a turn.
 OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
-    "render_skew": None, "backend_version": None,
+    "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
+    "left_out": None,
 }  # fmt: skip
 
 

@@ -128,5 +128,6 @@ def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecor
             turn.tools_sha256,
             turn_id=turn.turn_id,
             template_kwargs=turn.chat_template_kwargs,
+            reply_id=turn.reply_id,
         )
     return nodes

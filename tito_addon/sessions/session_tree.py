@@ -115,6 +115,8 @@ class Session:
     # First-request keys under which this (automatic) session is indexed as a prompt group.
     prompt_keys: list[SegmentKey] = field(default_factory=list)
     root_nodes: list[TurnNode] = field(default_factory=list)
+    # Ids agents hold for this session's turns (`resp_…`), indexed in the store while the session lives.
+    reply_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,8 @@ class SessionStore:
         # experiments, never one session.
         self.auto_roots: dict[str, ChildIndex] = {}
         self.auto_prompts: dict[tuple[str, SegmentKey], Session] = {}
+        # A reply id names the turn it answered (OpenAI Responses' `previous_response_id` continues it).
+        self.replies: dict[str, TurnNode] = {}
         self._kwargs: dict[str, dict[str, Any]] = {}
         self.idle_timeout = idle_timeout
         self.max_sessions = max_sessions
@@ -229,6 +233,10 @@ class SessionStore:
         for keys in session.prompt_keys:
             if self.auto_prompts.get((session.namespace, keys)) is session:
                 del self.auto_prompts[(session.namespace, keys)]
+        for reply_id in session.reply_ids:
+            node = self.replies.get(reply_id)
+            if node is not None and node.session is session:
+                del self.replies[reply_id]
 
     def _interned(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
         """Every turn of a run usually has the same kwargs: keep one dict for them, not one per turn."""
@@ -242,9 +250,9 @@ class SessionStore:
             self._kwargs.clear()
         return self._kwargs.setdefault(key, dict(kwargs))
 
-    def new_session(self, session_id: str | None, namespace: str = "") -> Session:
+    def new_session(self, session_id: str | None, namespace: str = "", automatic_id: str | None = None) -> Session:
         if session_id is None:
-            return Session(session_id=uuid.uuid4().hex, automatic=True, namespace=namespace)
+            return Session(session_id=automatic_id or uuid.uuid4().hex, automatic=True, namespace=namespace)
         return Session(session_id=session_id, automatic=False, namespace=namespace)
 
     def commit(
@@ -260,6 +268,7 @@ class SessionStore:
         tools_sha256: str | None = None,
         turn_id: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        reply_id: str | None = None,
     ) -> TurnNode:
         """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
         live = self.sessions.setdefault(session.session_id, session)
@@ -283,6 +292,9 @@ class SessionStore:
         live.turns += 1
         live.tokens += len(added_ids) + len(completion_ids)
         live.last_used = time.time()
+        if reply_id is not None:
+            self.replies[reply_id] = node
+            live.reply_ids.append(reply_id)
         if parent is not None:
             parent.children.add(node)
         else:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tito_addon.backends.backend_protocol import BackendResult, StreamEnd
-from tito_addon.protocols.openai_chat import SSE_HEADERS, sse_event
+from tito_addon.protocols.agent_api import Responder, TurnOutcome
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
 logger = logging.getLogger(__name__)
@@ -23,36 +23,40 @@ class LiveStream:
     A failure mid-stream ends it with an SSE error event and no [DONE]; closing it early (the agent went away)
     closes the upstream request. Either way nothing is recorded."""
 
-    headers = {**SSE_HEADERS, "x-tito-stream": "live"}
-
     def __init__(
         self,
         events: AsyncIterator[dict[str, Any] | StreamEnd],
         first: dict[str, Any] | StreamEnd,
+        responder: Responder,
         *,
-        commit: Callable[[BackendResult], dict[str, Any]],
+        commit: Callable[[BackendResult], tuple[dict[str, Any], TurnOutcome]],
         release: Callable[[], None],
     ) -> None:
-        self.events, self.first = events, first
+        self.events, self.first, self.responder = events, first, responder
         self.commit, self.release = commit, release
+        self.headers = {**responder.stream_headers, "x-tito-stream": "live"}
         self.metadata: dict[str, Any] = {}
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        responder = self.responder
         try:
+            start = responder.stream_start()
+            if start:
+                yield start
             event: dict[str, Any] | StreamEnd = self.first
             while True:
                 if isinstance(event, StreamEnd):
-                    self.metadata = self.commit(event.result)
-                    for chunk in event.tail:
-                        yield sse_event(chunk)
-                    yield b"data: [DONE]\n\n"
+                    self.metadata, outcome = self.commit(event.result)
+                    yield responder.stream_end(outcome, event.tail)
                     return
-                yield sse_event(event)
+                data = responder.stream_chunk(event)
+                if data:
+                    yield data
                 event = await anext(self.events)
         except (TitoError, UpstreamPassthrough) as error:
             message = error.message if isinstance(error, TitoError) else f"backend answered {error.status}"
             logger.warning("turn stream failed: %s", message)
-            yield sse_event({"error": {"message": f"{message}; nothing was recorded", "type": "tito_stream_error"}})
+            yield responder.stream_error(message)
         finally:
             await self.events.aclose()
             self.release()

@@ -12,8 +12,10 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
@@ -21,8 +23,11 @@ from tito_addon.backends.backend_protocol import Backend, BackendResult, Backend
 from tito_addon.canonical_chat import ChatMessage, ChatRequest
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
 from tito_addon.engine.token_engine import PromptPiece, TokenEngine
+from tito_addon.protocols.agent_api import AgentApi, AgentRequest, ReplyContext, Responder, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply, json_reply
-from tito_addon.protocols.openai_chat import CHAT_PATH, SSE_HEADERS, parse_request, sse_from_completion
+from tito_addon.protocols.openai_responses import reply_session
+from tito_addon.protocols.routing import agent_apis, find_route
+from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.records.record_models import SegmentSpan, TokenizerInfo, TurnRecord
 from tito_addon.records.record_reader import RecordError, read_session_file, rebuild_session
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
@@ -35,7 +40,6 @@ from tito_addon.turns.live_stream import LiveStream
 logger = logging.getLogger(__name__)
 
 SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
-DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
@@ -75,7 +79,9 @@ def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
 class PreparedTurn:
     """Everything decided before the backend call; nothing here has changed any state."""
 
-    request: ChatRequest
+    route: Route
+    agent: AgentRequest
+    request: ChatRequest  # the canonical request (agent.chat)
     session_id: str | None
     attachment: Attachment
     parent: TurnNode | None
@@ -85,7 +91,8 @@ class PreparedTurn:
     kwargs: dict[str, Any]
     keys: list[Any]
     namespace: str
-    raw: dict[str, Any]  # the request's JSON object
+    # The id a new automatic session will get, known before the commit so a reply id can name it.
+    new_session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class TurnService:
@@ -99,8 +106,13 @@ class TurnService:
         session_header: str = "x-session-id",
         prefixes: EncodedPrefixes | None = None,
         record_message_text: bool = True,
+        signer: TurnSigner | None = None,
     ) -> None:
         self.record_message_text = record_message_text
+        # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
+        # has none, so nothing is ever signed with a guessable one.
+        self.signer = signer if signer is not None else TurnSigner(secrets.token_bytes(32))
+        self.apis: list[AgentApi] = agent_apis(self.signer)
         self.engine = engine
         self.backend = backend
         self.store = store
@@ -108,40 +120,54 @@ class TurnService:
         self.recorder = recorder
         self.session_header = session_header.lower()
 
-    async def handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
-        """Serve one chat-completion request. Never raises: every outcome is an HTTP reply."""
-        try:
-            return await self._handle(path, {k.lower(): v for k, v in headers.items()}, body, base_url)
-        except UpstreamPassthrough as passthrough:
-            return HttpReply(passthrough.status, {"content-type": passthrough.content_type}, passthrough.body)
-        except TitoError as error:
-            if error.status >= 500:
-                logger.warning("turn failed: %s", error.message)
-            return json_reply(error.status, error.body())
-        except Exception:
-            logger.exception("unexpected failure while serving a turn")
-            return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
+    def route(self, path: str) -> Route | None:
+        return find_route(self.apis, path)
 
-    def prepare(self, path: str, headers: dict[str, str], body: bytes, base_url: str = "") -> PreparedTurn:
-        match = CHAT_PATH.match(path)
-        if match is None:
-            raise BadRequest(f"not a chat-completions path: {path}")
+    async def handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+        """Serve one agent request. Never raises: every outcome is an HTTP reply in the agent's own API."""
+        route = self.route(path)
+        if route is None:
+            return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
+        try:
+            return await self._handle(route, {k.lower(): v for k, v in headers.items()}, body, base_url)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the API's own error reply
+            return error_reply(route.api, exc)
+
+    def prepare(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None
+    ) -> PreparedTurn:
+        route = route or self.route(path)
+        if route is None:
+            raise BadRequest(f"not an agent API path: {path}")
         session_id = checked_session_id(headers.get(self.session_header), f"header {self.session_header}")
-        path_id = match.group("sid")
+        path_id = route.path_session_id
         path_id = checked_session_id(unquote(path_id), "path") if path_id is not None else None
         session_id = session_id if session_id is not None else path_id
-        request, raw = parse_request(body)
+        agent = route.api.parse(body, route.action)
+        request = agent.chat
         self.backend.check_request(request)
         if session_id is not None and session_id not in self.store.sessions:
             self.restore(session_id)
-        kwargs = self.engine.effective_kwargs(request.chat_template_kwargs)
+        kwargs = self.engine.effective_kwargs(request.chat_template_kwargs, thinking=agent.thinking)
         messages = request.messages
         keys = [message_key(m) for m in messages]
         reasonings = [m.reasoning_text() if m.role == "assistant" else None for m in messages]
         namespace = f"{base_url} {request.model or ''}"
-        attachment = self.store.locate(session_id, keys, reasonings, namespace)
+        if agent.previous_response_id is not None:
+            attachment = self.continued(agent.previous_response_id, session_id)
+        else:
+            attachment = self.store.locate(session_id, keys, reasonings, namespace)
         parent = attachment.parent
         appended = messages[attachment.matched :]
+        if agent.previous_response_id is not None and (
+            any(m.role == "assistant" for m in appended)
+            or self.engine.history_changed(parent.template_kwargs or {}, kwargs, request.tools)  # type: ignore[union-attr]
+        ):
+            # The stored history's text is not at hand to render afresh: the client must send it.
+            raise BadRequest(
+                "this request cannot continue previous_response_id exactly (it appends an assistant item or renders "
+                "the history with other template kwargs); send the whole input instead"
+            )
         if parent is not None and any(m.role == "assistant" for m in appended):
             # An edited or injected assistant message cannot extend stored ids: serve it as a fresh render,
             # a new root of the same session.
@@ -156,37 +182,62 @@ class TurnService:
             piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
         prompt = PromptIds(parent, piece.ids, self.prefixes)
         return PreparedTurn(
-            request, session_id, attachment, parent, appended, piece, prompt, kwargs, keys, namespace, raw
+            route, agent, request, session_id, attachment, parent, appended, piece, prompt, kwargs, keys, namespace
         )
 
-    async def _handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+    def continued(self, reply_id: str, session_id: str | None) -> Attachment:
+        """Where a request that names a previous reply attaches: that reply's turn, found in the live tree or,
+        after a restart, in the record of the session the id names."""
+        node = self.store.replies.get(reply_id)
+        if node is None:
+            named = reply_session(reply_id)
+            if named is not None and named not in self.store.sessions and session_id_problem(named) is None:
+                self.restore(named)
+                node = self.store.replies.get(reply_id)
+        if node is None:
+            raise TitoError(f"previous response {reply_id!r} is not a turn this proxy has recorded", status=404)
+        if session_id is not None and node.session.session_id != session_id:
+            raise BadRequest(f"previous response {reply_id!r} belongs to another session than {session_id!r}")
+        return Attachment(node.session, node, node.message_end)
+
+    async def _handle(self, route: Route, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
         self.sweep()
-        prepared = self.prepare(path, headers, body, base_url)
+        prepared = self.prepare("", headers, body, base_url, route)
+        if route.action == "count_tokens":
+            # The exact prompt length this turn would have: our own render, nothing forwarded or recorded.
+            return json_reply(200, route.api.count_tokens_body(len(prepared.prompt)))
         busy = prepared.attachment.session
         if busy is not None:
             busy.inflight += 1  # protects it from eviction while the backend works
         try:
-            return await self._run(prepared, path, headers, base_url)
+            return await self._run(prepared, headers, base_url)
         finally:
             self._release(busy)
 
-    def backend_turn(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> BackendTurn:
-        # The agent's object as sent (dumping 400 validated messages back cost ~1 ms a turn at turn 200), with
-        # the fields the model declares in their validated form, so "false" never reads as true downstream.
-        chat_body = dict(prepared.raw)
-        declared = {name for name in DECLARED_FIELDS if name in chat_body}
-        if declared:
-            chat_body.update(prepared.request.model_dump(mode="json", include=declared, by_alias=True))
+    def backend_turn(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> BackendTurn:
+        chat_body = dict(prepared.agent.chat_body)
         chat_body["chat_template_kwargs"] = prepared.kwargs
-        chat_path = CHAT_PATH.match(path).group("rest")  # type: ignore[union-attr]
         forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
-        return BackendTurn(base_url, chat_path, chat_body, prepared.prompt, forward, self.engine.stop_texts)
+        return BackendTurn(
+            base_url, prepared.route.chat_path, chat_body, prepared.prompt, forward, self.engine.stop_texts
+        )
 
-    def finish(self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str]) -> dict[str, Any]:
-        """Commit a turn the backend completed; the flow metadata that describes it."""
-        node, fields = self.commit(prepared, result, headers.get("x-request-id"))
+    def responder(self, prepared: PreparedTurn) -> Responder:
+        api = prepared.route.api
+        session = prepared.attachment.session
+        known = session.session_id if session is not None else (prepared.session_id or prepared.new_session_id)
+        reply_id = api.reply_id(known) or ""
+        context = ReplyContext(reply_id=reply_id, prompt_tokens=len(prepared.prompt), signer=self.signer)
+        return api.responder(prepared.agent, context)
+
+    def finish(
+        self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str], responder: Responder
+    ) -> tuple[dict[str, Any], TurnOutcome]:
+        """Commit a turn the backend completed; the flow metadata that describes it, and what the agent gets."""
+        result.message = responder.adapt(result.message)
+        node, fields = self.commit(prepared, result, headers.get("x-request-id"), responder.reply_id)
         self.sweep()  # a new session may have taken the store past its capacity
-        return {
+        metadata = {
             "session_id": node.session.session_id,
             "turn_id": node.turn_id,
             "parent_turn_id": node.parent.turn_id if node.parent else None,
@@ -195,20 +246,27 @@ class TurnService:
             # The whole record line: a `-w` flow file is then enough to regenerate the trajectory (`-r`).
             "record": fields,
         }
-
-    async def _run(self, prepared: PreparedTurn, path: str, headers: dict[str, str], base_url: str) -> HttpReply:
-        result = await self.backend.run_turn(self.backend_turn(prepared, path, headers, base_url))
-        metadata = self.finish(prepared, result, headers)
         tito_headers = {"x-tito-session-id": metadata["session_id"], "x-tito-turn-id": str(metadata["turn_id"])}
-        request = prepared.request
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            stream = sse_from_completion(result.agent_body, include_usage=include_usage)
-            return HttpReply(200, {**SSE_HEADERS, **tito_headers}, stream, metadata)
-        content = result.agent_bytes
-        if content is None:
-            content = json.dumps(result.agent_body, ensure_ascii=False).encode()
-        return HttpReply(200, {"content-type": "application/json", **tito_headers}, content, metadata)
+        outcome = TurnOutcome(
+            message=result.message,
+            finish_reason=result.finish_reason,
+            prompt_tokens=len(prepared.prompt),
+            completion_tokens=len(result.completion_ids),
+            agent_body=result.agent_body,
+            agent_bytes=result.agent_bytes,
+            matched_stop=matched_stop(result.agent_body),
+            headers=tito_headers,
+        )
+        return metadata, outcome
+
+    async def _run(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> HttpReply:
+        responder = self.responder(prepared)
+        result = await self.backend.run_turn(self.backend_turn(prepared, headers, base_url))
+        metadata, outcome = self.finish(prepared, result, headers, responder)
+        reply = responder.reply(outcome)
+        reply.headers.update(outcome.headers)
+        reply.metadata = metadata
+        return reply
 
     async def open_stream(
         self, path: str, headers: dict[str, str], body: bytes, base_url: str
@@ -216,12 +274,18 @@ class TurnService:
         """A live stream of the turn, or an ordinary reply when it fails before its first chunk (status and
         body as for a whole turn). Nothing is committed unless the backend finishes the turn."""
         headers = {k.lower(): v for k, v in headers.items()}
+        route = self.route(path)
+        if route is None:
+            return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
         try:
             self.sweep()
-            prepared = self.prepare(path, headers, body, base_url)
+            prepared = self.prepare(path, headers, body, base_url, route)
+            if route.action != "turn":
+                raise BadRequest(f"{route.action} does not stream")
         except TitoError as error:
-            return json_reply(error.status, error.body())
-        events = self.backend.stream_turn(self.backend_turn(prepared, path, headers, base_url))
+            return error_reply(route.api, error)
+        responder = self.responder(prepared)
+        events = self.backend.stream_turn(self.backend_turn(prepared, headers, base_url))
         busy = prepared.attachment.session
         if busy is not None:
             busy.inflight += 1
@@ -232,21 +296,14 @@ class TurnService:
             self._release(busy)
             if isinstance(exc, StopAsyncIteration):
                 exc = UpstreamMalformed("backend stream ended before its first chunk")
-            return await self._error_reply(exc)
+            return error_reply(route.api, exc)
         return LiveStream(
             events,
             first,
-            commit=lambda result: self.finish(prepared, result, headers),
+            responder,
+            commit=lambda result: self.finish(prepared, result, headers, responder),
             release=lambda: self._release(busy),
         )
-
-    async def _error_reply(self, exc: BaseException) -> HttpReply:
-        if isinstance(exc, UpstreamPassthrough):
-            return HttpReply(exc.status, {"content-type": exc.content_type}, exc.body)
-        if isinstance(exc, TitoError):
-            return json_reply(exc.status, exc.body())
-        logger.error("unexpected failure while opening a stream", exc_info=exc)
-        return json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
 
     def _release(self, session: Session | None) -> None:
         if session is not None:
@@ -254,7 +311,7 @@ class TurnService:
             self.store.touch(session)
 
     def commit(
-        self, prepared: PreparedTurn, result: BackendResult, request_id: str | None
+        self, prepared: PreparedTurn, result: BackendResult, request_id: str | None, reply_id: str | None = None
     ) -> tuple[TurnNode, dict[str, Any]]:
         """Write the record line, then add the node; returns the node and the line's fields. Synchronous, so no
         other turn can interleave."""
@@ -266,7 +323,7 @@ class TurnService:
             # join the group of whichever committed first.
             session = self.store.prompt_group(prepared.namespace, prepared.keys)
         if session is None:
-            session = self.store.new_session(prepared.session_id, prepared.namespace)
+            session = self.store.new_session(prepared.session_id, prepared.namespace, prepared.new_session_id)
         assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
         parent = prepared.parent
         appended_keys = prepared.keys[len(prepared.keys) - len(prepared.appended) :]
@@ -275,7 +332,7 @@ class TurnService:
         tools_sha = tools_digest(prepared.request.tools)
         request = prepared.request
         # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
-        dumped = request.model_dump(mode="json", include=set(SAMPLING_KEYS) & set(prepared.raw))
+        dumped = request.model_dump(mode="json", include=set(SAMPLING_KEYS) & set(prepared.agent.chat_body))
         sampling = {k: v for k, v in dumped.items() if v is not None}
         record = TurnRecord(
             session_id=session.session_id,
@@ -293,6 +350,12 @@ class TurnService:
             if self.record_message_text
             else None,
             appended_keys=None if self.record_message_text else [key.hex() for key in appended_keys],
+            api=prepared.route.api.name,
+            reply_id=reply_id or None,
+            appended_items=(prepared.agent.appended_items(len(prepared.keys) - len(prepared.appended)) or None)
+            if self.record_message_text
+            else None,
+            left_out=prepared.agent.dropped or None,
             prompt_added_ids=prepared.piece.ids,
             prompt_segments=[SegmentSpan(source=s.source, start=s.start, end=s.end) for s in prepared.piece.segments],
             prompt_len=len(prepared.prompt),
@@ -324,6 +387,7 @@ class TurnService:
             result.finish_reason,
             tools_sha,
             template_kwargs=prepared.kwargs,
+            reply_id=reply_id or None,
         )
         prepared.prompt.remember(node, result.completion_ids)
         return node, fields
@@ -365,3 +429,29 @@ class TurnService:
             self.recorder.close_session(session.session_id, session.turns, reason)
         except OSError:
             logger.exception("could not close the record of session %s", session.session_id)
+
+
+def matched_stop(agent_body: dict[str, Any]) -> str | None:
+    """The stop string that ended the turn, if one did: sglang says `matched_stop`, vLLM `stop_reason` (each is a
+    token id instead when a stop token ended it)."""
+    choices = agent_body.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    for key in ("matched_stop", "stop_reason"):
+        if isinstance(choice.get(key), str):
+            return choice[key]
+    return None
+
+
+def error_reply(api: AgentApi, exc: BaseException) -> HttpReply:
+    """A failed turn in the agent's own API: the upstream's status verbatim, ours with its status."""
+    if isinstance(exc, UpstreamPassthrough):
+        body = api.passthrough_body(exc)
+        return HttpReply(
+            exc.status, {"content-type": exc.content_type if body is exc.body else "application/json"}, body
+        )
+    if isinstance(exc, TitoError):
+        if exc.status >= 500:
+            logger.warning("turn failed: %s", exc.message)
+        return json_reply(exc.status, api.error_body(exc))
+    logger.error("unexpected failure while serving a turn", exc_info=exc)
+    return json_reply(500, api.error_body(TitoError("internal error in tito_addon; nothing was recorded")))
