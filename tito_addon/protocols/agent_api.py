@@ -115,6 +115,8 @@ class ReplyContext:
     reply_id: str  # the id the agent gets for this turn (`msg_…`, `resp_…`); recorded with the turn
     prompt_tokens: int
     signer: TurnSigner  # thinking signatures, encrypted_content
+    # A recorded turn answered again: its ids are the recorded ones, never minted anew (the agent echoes them).
+    replayed: bool = False
 
 
 def chunks_from_message(

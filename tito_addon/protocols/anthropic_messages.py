@@ -302,9 +302,11 @@ class AnthropicResponder:
         self.reasoning = ""
         self.pending_text = ""  # leading whitespace, held until text follows (a blank text block is never sent)
 
-    def tool_id(self, position: int) -> str:
+    def tool_id(self, position: int, given: str | None = None) -> str:
+        """The id the agent sees for the tool call at `position`: ours (`toolu_…`), or the recorded one on replay."""
         if position not in self.tool_ids:
-            self.tool_ids[position] = new_id("toolu_")
+            keep = given and (self.context.replayed or given.startswith("toolu_"))
+            self.tool_ids[position] = given if keep else new_id("toolu_")  # type: ignore[assignment]
         return self.tool_ids[position]
 
     def signature(self, reasoning: str) -> str:
@@ -314,7 +316,7 @@ class AnthropicResponder:
         adapted = dict(message)
         calls = message.get("tool_calls")
         if calls:
-            adapted["tool_calls"] = [{**call, "id": self.tool_id(i)} for i, call in enumerate(calls)]
+            adapted["tool_calls"] = [{**call, "id": self.tool_id(i, call.get("id"))} for i, call in enumerate(calls)]
         content = message.get("content")
         if isinstance(content, str) and not content.strip():
             # A text block must hold non-whitespace text, so the agent never sees (or echoes) this one; the
@@ -437,7 +439,7 @@ class AnthropicResponder:
                 function = call.get("function") or {}
                 block = {
                     "type": "tool_use",
-                    "id": self.tool_id(position),
+                    "id": self.tool_id(position, call.get("id")),
                     "name": function.get("name") or "",
                     "input": {},
                 }

@@ -7,17 +7,17 @@ it from the backend and records it.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from tito_addon.protocols.openai_chat import SSE_HEADERS, is_chat_path, parse_body, sse_from_completion
+from tito_addon.protocols.routing import is_agent_path
 from tito_addon.records.record_reader import RecordError
-from tito_addon.records.replay_index import ReplayIndex, ReplayMiss, replay_completion
+from tito_addon.records.replay_index import ReplayIndex
 from tito_addon.tito_errors import TitoError
+from tito_addon.turns.replay_turn import Miss, ReplayService
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 class TitoReplay:
     def __init__(self) -> None:
         self.index: ReplayIndex | None = None
+        self.service: ReplayService | None = None
 
     def load(self, loader: Any) -> None:
         loader.add_option("tito_replay_dir", str, "", "Serve the sessions recorded in this directory (offline replay).")
@@ -39,18 +40,19 @@ class TitoReplay:
             return
         directory = ctx.options.tito_replay_dir
         if not directory:
-            self.index = None
+            self.index = self.service = None
             return
         try:
             self.index = ReplayIndex.load(Path(directory))
         except (RecordError, OSError, ValueError) as exc:
             raise exceptions.OptionsError(f"cannot replay {directory}: {exc}") from exc
+        self.service = ReplayService(self.index)
         logger.info("tito: replaying %d recorded turns from %s", self.index.turns, directory)
 
     def request(self, flow: http.HTTPFlow) -> None:
         if self.index is None or flow.response is not None or not flow.live:
             return
-        if flow.request.method != "POST" or not is_chat_path(flow.request.path):
+        if flow.request.method != "POST" or not is_agent_path(flow.request.path):
             return
         try:
             flow.response = self._answer(flow)
@@ -60,23 +62,18 @@ class TitoReplay:
             flow.response = http.Response.make(500, body, {"content-type": "application/json"})
 
     def _answer(self, flow: http.HTTPFlow) -> http.Response | None:
-        assert self.index is not None
+        assert self.service is not None
         try:
-            request = parse_body(flow.request.content or b"")
-        except TitoError as error:
-            return http.Response.make(error.status, error.body(), {"content-type": "application/json"})
-        found = self.index.answer(request.messages)
-        if isinstance(found, ReplayMiss):
+            body = flow.request.content or b""
+        except ValueError:
+            body = b"\xff"  # an undecodable content-encoding: parsed as invalid UTF-8, so a 400 in the agent's API
+        answer = self.service.answer(flow.request.path, body)
+        if answer is None:
+            return None
+        if isinstance(answer, Miss):
             if ctx.options.tito_replay_fallback == "live":
                 return None  # the capture addon serves and records it
-            body = json.dumps(found.error(), ensure_ascii=False).encode()
-            return http.Response.make(404, body, {"content-type": "application/json"})
-        completion = replay_completion(found)
-        headers = {"x-tito-replay": f"{found.session_id}/{found.turn_id}"}
-        flow.metadata["tito"] = {"replayed": True, "session_id": found.session_id, "turn_id": found.turn_id}
-        if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            body = sse_from_completion(completion, include_usage=include_usage)
-            return http.Response.make(200, body, {**SSE_HEADERS, **headers})
-        body = json.dumps(completion, ensure_ascii=False).encode()
-        return http.Response.make(200, body, {"content-type": "application/json", **headers})
+            answer = answer.reply()
+        if answer.metadata:
+            flow.metadata["tito"] = answer.metadata
+        return http.Response.make(answer.status, answer.body, answer.headers)

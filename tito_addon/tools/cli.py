@@ -49,6 +49,8 @@ def show(argv: list[str]) -> int:
                         "session_id": turn.session_id,
                         "turn_id": turn.turn_id,
                         "parent_turn_id": turn.parent_turn_id,
+                        "api": turn.api,
+                        "reply_id": turn.reply_id,
                         "prompt_ids": prompt,
                         "completion_ids": completion,
                         "completion_logprobs": turn.completion_logprobs,
