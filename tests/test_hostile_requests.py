@@ -1,4 +1,5 @@
-"""Hypothesis-generated malformed and hostile chat requests through one real mitmdump.
+"""Hypothesis-generated malformed and hostile agent requests (chat, Anthropic Messages, OpenAI Responses) through
+one real mitmdump.
 
 Every request is sent over a raw socket (so header values, encodings and bodies are exactly what the strategy made)
 to the chat route of a mitmdump in front of the sglang replica, behind a tap that sees every upstream call. Each
@@ -103,7 +104,10 @@ def check_rejected(world: World, body: bytes, *, path: bytes = b"/v1/chat/comple
     status, reply_headers, content = raw_post(world.proxy.port, path, body, list(headers))
     assert 400 <= status < 500, (status, content[:300], body[:300], path, headers)
     assert reply_headers.get("content-type", "").startswith("application/json"), reply_headers
-    error = json.loads(content)["error"]
+    reply = json.loads(content)
+    if b"/v1/messages" in path:  # each API's own error shape
+        assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error", reply
+    error = reply["error"]
     assert isinstance(error["message"], str) and error["message"], error
     assert world.tap.calls == [], f"reached the backend: {world.tap.calls[:1]}"
     assert world.replica.received() == []
@@ -407,6 +411,142 @@ def test_hostile_session_ids_and_header_injection(world, request) -> None:
 )
 def test_undecodable_content_encoding(world, encoding, garbage) -> None:
     check_rejected(world, garbage, headers=[(b"content-encoding", encoding)])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Anthropic Messages and OpenAI Responses: the same storm in their shapes
+# ------------------------------------------------------------------------------------------------------------------
+
+MESSAGES_PATH = b"/v1/messages"
+RESPONSES_PATH = b"/v1/responses"
+USER = {"role": "user", "content": "x"}
+ANTHROPIC_FIELD_TYPES: dict[str, st.SearchStrategy] = {
+    "model": st.one_of(not_type(str), st.just("")),
+    "max_tokens": st.one_of(not_type(int), st.integers(max_value=0), st.integers(min_value=2**31)),
+    "messages": st.one_of(not_type(list), st.just([])),
+    "system": st.one_of(not_type(str, list, type(None)), st.lists(not_type(dict), min_size=1, max_size=2),
+                        st.just([{"type": "image", "source": {}}])),
+    "tools": st.one_of(not_type(list, type(None)), st.lists(not_type(dict), min_size=1, max_size=2),
+                       st.just([{"description": "no name"}])),
+    "tool_choice": st.one_of(not_type(dict, type(None)), st.just({"type": "tool"}), st.just({"type": "some"})),
+    "thinking": st.one_of(not_type(dict, type(None)), st.just({"type": "on"}), st.just({"type": "enabled",
+                          "budget_tokens": -1})),
+    "stop_sequences": st.one_of(not_type(list, type(None)), st.lists(not_type(str), min_size=1, max_size=2)),
+    "temperature": not_type(int, float, type(None)),
+    "top_k": st.one_of(not_type(int, type(None)), st.integers(max_value=-1)),
+    "stream": not_type(bool, type(None)),
+}  # fmt: skip
+ANTHROPIC_BAD_BLOCKS = st.one_of(
+    not_type(dict),
+    st.fixed_dictionaries({"type": st.text(max_size=12).filter(lambda k: k not in (
+        "text", "image", "thinking", "redacted_thinking", "tool_use", "tool_result"))}),
+    st.just({"type": "text"}), st.just({"type": "text", "text": 7}),
+    st.just({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}),
+    st.just({"type": "tool_result", "content": "x"}),
+    st.just({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}),
+    st.just({"type": "tool_result", "tool_use_id": "t", "content": "x", "is_error": "yes"}),
+    st.just({"type": "thinking", "signature": "s"}),
+    st.builds(lambda s: {"type": "thinking", "thinking": "t", "signature": s}, not_type(str, type(None))),
+    st.just({"type": "thinking", "thinking": "t", "signature": "f" * 70000}),
+    st.just({"type": "tool_use", "name": "f", "input": {}}),
+    st.builds(lambda i: {"type": "tool_use", "id": "t", "name": "f", "input": i}, not_type(dict)),
+    st.just({"type": "tool_use", "id": "t" * 300, "name": "f", "input": {}}),
+)  # fmt: skip
+
+
+@st.composite
+def anthropic_bodies(draw) -> bytes:
+    body: dict = {"model": "m", "max_tokens": 16, "messages": [USER]}
+    shape = draw(st.sampled_from(["field", "role", "user_block", "assistant_block", "missing"]))
+    if shape == "field":
+        name = draw(st.sampled_from(sorted(ANTHROPIC_FIELD_TYPES)))
+        body[name] = draw(ANTHROPIC_FIELD_TYPES[name])
+    elif shape == "role":
+        role = draw(
+            st.one_of(not_type(str), st.text(max_size=10).filter(lambda r: r not in ("user", "assistant", "system")))
+        )
+        body["messages"] = [USER, {"role": role, "content": "x"}]
+    elif shape == "missing":
+        del body[draw(st.sampled_from(["model", "max_tokens", "messages"]))]
+    else:
+        role = "user" if shape == "user_block" else "assistant"
+        body["messages"] = [USER, {"role": role, "content": [draw(ANTHROPIC_BAD_BLOCKS)]}]
+        if role == "user":
+            body["messages"] = [{"role": "user", "content": [draw(ANTHROPIC_BAD_BLOCKS)]}]
+    return json.dumps(body).encode()
+
+
+RESPONSES_BAD_ITEMS = st.one_of(
+    not_type(dict),
+    st.fixed_dictionaries({"type": st.text(max_size=12).filter(lambda k: k not in (
+        "message", "function_call", "function_call_output", "reasoning"))}),
+    st.builds(lambda r: {"type": "message", "role": r, "content": "x"}, st.one_of(not_type(str),
+              st.sampled_from(["tool", "User", "function"]))),
+    st.just({"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}),
+    st.just({"type": "message", "role": "user", "content": [{"type": "input_text"}]}),
+    st.just({"type": "function_call", "name": "f", "arguments": "{}"}),
+    st.builds(lambda a: {"type": "function_call", "call_id": "c", "name": "f", "arguments": a}, not_type(str)),
+    st.just({"type": "function_call_output", "output": "x"}),
+    st.builds(lambda o: {"type": "function_call_output", "call_id": "c", "output": o}, not_type(str, list)),
+    st.builds(lambda e: {"type": "reasoning", "summary": [], "encrypted_content": e}, not_type(str, type(None))),
+    st.just({"type": "reasoning", "summary": "not a list"}),
+)  # fmt: skip
+RESPONSES_FIELD_TYPES: dict[str, st.SearchStrategy] = {
+    "model": st.one_of(not_type(str), st.just("")),
+    "input": st.one_of(not_type(str, list), st.just([])),
+    "instructions": not_type(str, type(None)),
+    "max_output_tokens": st.one_of(not_type(int, type(None)), st.integers(max_value=0)),
+    "tools": st.one_of(not_type(list, type(None)), st.just([{"type": "function"}]), st.lists(not_type(dict),
+                       min_size=1, max_size=2)),
+    "previous_response_id": st.one_of(not_type(str, type(None)), st.just("")),
+    "text": st.one_of(not_type(dict, type(None)), st.just({"format": {"type": "grammar"}})),
+    "stream": not_type(bool, type(None)),
+    "temperature": not_type(int, float, type(None)),
+}  # fmt: skip
+
+
+@st.composite
+def responses_bodies(draw) -> bytes:
+    body: dict = {"model": "m", "input": [USER]}
+    shape = draw(st.sampled_from(["field", "item", "missing"]))
+    if shape == "field":
+        name = draw(st.sampled_from(sorted(RESPONSES_FIELD_TYPES)))
+        body[name] = draw(RESPONSES_FIELD_TYPES[name])
+    elif shape == "missing":
+        del body[draw(st.sampled_from(["model", "input"]))]
+    else:
+        body["input"] = [USER, draw(RESPONSES_BAD_ITEMS)]
+    return json.dumps(body).encode()
+
+
+@profile(60)
+@given(body=anthropic_bodies())
+def test_anthropic_messages_malformed_blocks_fields_and_roles(world, body) -> None:
+    check_rejected(world, body, path=MESSAGES_PATH)
+
+
+@profile(50)
+@given(body=responses_bodies())
+def test_openai_responses_malformed_items_and_fields(world, body) -> None:
+    check_rejected(world, body, path=RESPONSES_PATH)
+
+
+@profile(30)
+@given(
+    path=st.sampled_from([MESSAGES_PATH, MESSAGES_PATH + b"/count_tokens", MESSAGES_PATH + b"?beta=true",
+                          RESPONSES_PATH]),
+    body=st.one_of(malformed_json_bodies(), deep_bodies()),
+)  # fmt: skip
+def test_new_apis_refuse_broken_json_and_deep_nesting(world, path, body) -> None:
+    check_rejected(world, body, path=path)
+
+
+@profile(4)
+@given(path=st.sampled_from([MESSAGES_PATH, RESPONSES_PATH]), size=st.integers(1 << 20, 12 << 20))
+def test_new_apis_refuse_huge_bodies(world, path, size) -> None:
+    key = b"messages" if path == MESSAGES_PATH else b"input"
+    check_rejected(world, b'{"model": "m", "max_tokens": 5, "' + key + b'": [{"role": "robot", "content": "'
+                   + b"z" * size + b'"}]}', path=path)  # fmt: skip
 
 
 def test_the_storm_changed_no_session(world) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from tito_addon.canonical_chat import Number, TokenCount, json_value_problem
 
@@ -26,8 +26,9 @@ class ImageBlock(_Block):
 
 class ThinkingBlock(_Block):
     type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
+    thinking: StrictStr
+    # Ours are short; a foreign one (another server's) is kept as plain text, within reason.
+    signature: Annotated[StrictStr, Field(max_length=65536)] | None = None
 
 
 class RedactedThinkingBlock(_Block):

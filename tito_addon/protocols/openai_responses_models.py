@@ -58,7 +58,8 @@ class ReasoningItem(_Open):
     type: Literal["reasoning"]
     summary: list[TextPart] = Field(default_factory=list)
     content: list[TextPart] | None = None
-    encrypted_content: StrictStr | None = None
+    # Ours carry the reasoning text (compressed); a foreign one is left out of the prompt, within reason.
+    encrypted_content: Annotated[StrictStr, Field(max_length=8 * 1024 * 1024)] | None = None
     id: str | None = None
 
 
