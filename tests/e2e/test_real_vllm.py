@@ -210,3 +210,103 @@ def generate_events(call: dict) -> list[dict]:
         text = call["response_bytes"].decode()
         return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     return [call["response"]]
+
+
+ANTHROPIC_TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+RESPONSES_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+
+
+def assert_wire_matches_records(tap: UpstreamTap, record_dir: Path, session: str, turns: int) -> list:
+    """Every recorded turn's prompt is what vLLM generated from (sent and echoed), its completion what vLLM
+    produced, and each turn extends the previous one."""
+    recorded = read_session_file(record_dir / f"{session}.jsonl")
+    ids = recorded.full_ids()
+    generates = tap.of("/inference/v1/generate")
+    assert len(recorded.turns) == len(generates) == turns
+    previous: list[int] = []
+    for record, call in zip(recorded.turns, generates, strict=True):
+        prompt, completion = ids[record.turn_id]
+        assert call["request"]["token_ids"] == prompt
+        events = generate_events(call)
+        assert events[0]["prompt_token_ids"] == prompt
+        assert [i for e in events if e.get("choices") for i in e["choices"][0]["token_ids"]] == completion
+        assert prompt[: len(previous)] == previous
+        previous = prompt + completion
+    return recorded.turns
+
+
+def test_an_anthropic_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Path) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    record_dir = tmp_path / "rec"
+    with (
+        UpstreamTap(vllm_url) as tap,
+        Mitmdump(tap.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                 options={"tito_backend_kind": "vllm"}) as proxy,
+    ):  # fmt: skip
+        client = anthropic.Anthropic(
+            base_url=proxy.url, api_key="e2e", default_headers={"x-session-id": "claude"}, max_retries=0
+        )
+        messages: list[dict] = [{"role": "user", "content": "Weather in Oslo?"}]
+        common = {"model": "tiny-qwen3", "max_tokens": 64, "tools": ANTHROPIC_TOOLS, "temperature": 1.0,
+                  "thinking": {"type": "disabled"}, "system": "You are a weather bot."}  # fmt: skip
+        call = client.messages.create(**common, messages=messages, extra_body={"structured_outputs": {"regex": CALL}})
+        assert call.stop_reason == "tool_use"
+        (use,) = [b for b in call.content if b.type == "tool_use"]
+        assert use.name == "get_weather" and use.id.startswith("toolu_")
+        messages += [
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21C"}]},
+        ]
+        with client.messages.stream(
+            **common, messages=messages, extra_body={"structured_outputs": {"regex": ANSWER}}
+        ) as s:
+            answer = s.get_final_message()
+        assert answer.stop_reason == "end_turn" and answer.content[0].text.startswith("It is")
+    turns = assert_wire_matches_records(tap, record_dir, "claude", 2)
+    assert [t.api for t in turns] == ["anthropic_messages"] * 2 and turns[1].parent_turn_id == 0
+    assert turns[0].chat_template_kwargs.get("enable_thinking") is False
+    assert [answer.usage.input_tokens, answer.usage.output_tokens] == [
+        turns[1].prompt_len,
+        len(turns[1].completion_ids),
+    ]
+
+
+def test_a_responses_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Path) -> None:
+    record_dir = tmp_path / "rec"
+    with (
+        UpstreamTap(vllm_url) as tap,
+        Mitmdump(tap.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                 options={"tito_backend_kind": "vllm"}) as proxy,
+    ):  # fmt: skip
+        client = openai.OpenAI(
+            base_url=proxy.url + "/v1", api_key="e2e", default_headers={"x-session-id": "codex"}, max_retries=0
+        )
+        common = {"model": "tiny-qwen3", "max_output_tokens": 64, "tools": RESPONSES_TOOLS, "temperature": 1.0,
+                  "reasoning": {"effort": "none"}, "instructions": "You are a weather bot."}  # fmt: skip
+        items: list = [{"role": "user", "content": "Weather in Lima?"}]
+        first = client.responses.create(**common, input=items, extra_body={"structured_outputs": {"regex": CALL}})
+        (call,) = [i for i in first.output if i.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Oslo", "Lima")
+        with client.responses.stream(
+            **common, previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "21C"}],
+            extra_body={"structured_outputs": {"regex": ANSWER}},
+        ) as events:  # fmt: skip
+            answer = events.get_final_response()
+        assert answer.output_text.startswith("It is") and answer.previous_response_id == first.id
+    turns = assert_wire_matches_records(tap, record_dir, "codex", 2)
+    assert [t.api for t in turns] == ["openai_responses"] * 2 and turns[1].parent_turn_id == 0
+    assert [t.reply_id for t in turns] == [first.id, answer.id]

@@ -17,6 +17,17 @@ from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
+# Fields no agent API defines that sglang and vLLM read from a chat body (sampling, constrained decoding, template
+# kwargs): an Anthropic or Responses request may carry them as extensions, and they go to the backend as they are.
+BACKEND_EXTENSIONS = (
+    "chat_template_kwargs", "structured_outputs", "seed", "min_p", "repetition_penalty", "frequency_penalty",
+    "presence_penalty", "min_tokens", "ignore_eos", "regex", "ebnf", "json_schema",
+)  # fmt: skip
+
+
+def backend_extensions(raw: dict[str, Any]) -> dict[str, Any]:
+    return {name: raw[name] for name in BACKEND_EXTENSIONS if name in raw}
+
 
 @dataclass(frozen=True)
 class Route:
@@ -89,6 +100,7 @@ class Responder(Protocol):
 
 class AgentApi(Protocol):
     name: str  # recorded as the turn's `api`
+    signs: bool  # whether its replies carry signed values (the signing key must exist before the turn runs)
 
     def route(self, path: str) -> Route | None: ...
 

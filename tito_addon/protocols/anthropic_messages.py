@@ -28,7 +28,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatRequest, parse_arguments
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, TurnOutcome, chunks_from_message
+from tito_addon.protocols.agent_api import (
+    AgentRequest,
+    ReplyContext,
+    Route,
+    TurnOutcome,
+    backend_extensions,
+    chunks_from_message,
+)
 from tito_addon.protocols.anthropic_models import (
     ImageBlock,
     MessagesRequest,
@@ -173,6 +180,7 @@ def _validation_message(exc: ValidationError) -> str:
 
 class AnthropicMessagesApi:
     name = "anthropic_messages"
+    signs = True  # mints values the agent echoes back (see turn_refs)
 
     def __init__(self, signer: TurnSigner | None = None) -> None:
         self.signer = signer
@@ -231,6 +239,7 @@ class AnthropicMessagesApi:
                 chat_body[name] = value
         if request.stop_sequences:
             chat_body["stop"] = list(request.stop_sequences)
+        chat_body.update(backend_extensions(raw))
         try:
             chat = ChatRequest.model_validate(chat_body)
         except ValidationError as exc:

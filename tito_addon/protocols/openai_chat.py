@@ -104,6 +104,7 @@ class ChatCompletionsApi:
     """`POST …/v1/chat/completions`: the canonical form itself, answered with the backend's own completion."""
 
     name = "chat"
+    signs = False  # mints values the agent echoes back (see turn_refs)
 
     def route(self, path: str) -> Route | None:
         match = CHAT_PATH.match(path)

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatRequest
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route
+from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, backend_extensions
 from tito_addon.protocols.json_body import parse_json_object
 from tito_addon.protocols.openai_responses_models import (
     FunctionCallItem,
@@ -206,6 +206,7 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 class OpenAIResponsesApi:
     name = "openai_responses"
+    signs = True  # mints values the agent echoes back (see turn_refs)
 
     def __init__(self, signer: TurnSigner | None = None) -> None:
         self.signer = signer
@@ -270,6 +271,7 @@ class OpenAIResponsesApi:
         form = response_format(request.text)
         if form is not None:
             chat_body["response_format"] = form
+        chat_body.update(backend_extensions(raw))
         try:
             chat = ChatRequest.model_validate(chat_body)
         except ValidationError as exc:

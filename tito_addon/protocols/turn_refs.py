@@ -11,8 +11,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
 import secrets
 import zlib
+from collections.abc import Callable
+from pathlib import Path
 
 PREFIX = "tito1"
 MAX_BLOB = 4 * 1024 * 1024  # a decompressed reasoning text larger than this is refused, not inflated
@@ -32,13 +35,45 @@ def new_id(prefix: str) -> str:
 
 
 class TurnSigner:
-    def __init__(self, key: bytes) -> None:
+    """Signs under a key given, or one loaded on first use (a proxy that only serves chat never makes one).
+
+    A loader is called with `create`: False only looks for an existing key (checking a value never makes one,
+    so a request that is then refused changes nothing), True makes it if missing."""
+
+    def __init__(self, key: bytes | Callable[[bool], bytes | None]) -> None:
+        self._key: bytes | None = None
+        self._load: Callable[[bool], bytes | None] | None = None
+        if callable(key):
+            self._load = key
+        else:
+            self._key = self._checked(key)
+
+    @staticmethod
+    def _checked(key: bytes) -> bytes:
         if len(key) < 16:
             raise ValueError("the signing key must be at least 16 bytes")
-        self._key = key
+        return key
 
-    def _mac(self, purpose: str, *parts: bytes) -> bytes:
-        mac = hmac.new(self._key, purpose.encode(), hashlib.sha256)
+    @property
+    def key(self) -> bytes:
+        """The key, made now if there is none yet (OSError when it cannot be kept)."""
+        if self._key is None:
+            assert self._load is not None
+            self._key = self._checked(self._load(True) or b"")
+        return self._key
+
+    def _existing(self) -> bytes | None:
+        if self._key is None and self._load is not None:
+            try:
+                found = self._load(False)
+            except OSError:
+                return None
+            if found is not None:
+                self._key = self._checked(found)
+        return self._key
+
+    def _mac(self, purpose: str, *parts: bytes, key: bytes | None = None) -> bytes:
+        mac = hmac.new(key if key is not None else self.key, purpose.encode(), hashlib.sha256)
         for part in parts:
             mac.update(len(part).to_bytes(8, "big"))
             mac.update(part)
@@ -58,8 +93,9 @@ class TurnSigner:
             reply_id, mac = _unb64(parts[1]), _unb64(parts[2])
         except ValueError:
             return None
+        key = self._existing()
         digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-        if not hmac.compare_digest(mac, self._mac(purpose, reply_id, digest)):
+        if key is None or not hmac.compare_digest(mac, self._mac(purpose, reply_id, digest, key=key)):
             return None
         return reply_id.decode("utf-8", "replace")
 
@@ -78,7 +114,8 @@ class TurnSigner:
             rid, body, mac = _unb64(parts[1]), _unb64(parts[2]), _unb64(parts[3])
         except ValueError:
             return None
-        if not hmac.compare_digest(mac, self._mac(purpose, rid, body)):
+        key = self._existing()
+        if key is None or not hmac.compare_digest(mac, self._mac(purpose, rid, body, key=key)):
             return None
         try:
             inflater = zlib.decompressobj()
@@ -88,3 +125,29 @@ class TurnSigner:
             return rid.decode("utf-8"), raw.decode("utf-8", "surrogatepass")
         except (zlib.error, UnicodeDecodeError):
             return None
+
+
+KEY_FILE = ".tito-signing-key"
+
+
+def stored_key(record_dir: Path, create: bool = True) -> bytes | None:
+    """The proxy's signing key, kept beside the recordings (mode 0600) so a restarted proxy still knows the
+    signatures and sealed reasoning it handed out; made on first use (None: there is none and `create` is off)."""
+    path = record_dir / KEY_FILE
+    try:
+        key = path.read_bytes().strip()
+        if len(key) >= 32:
+            return key
+    except FileNotFoundError:
+        pass
+    if not create:
+        return None
+    record_dir.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(32).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first: use theirs
+        return path.read_bytes().strip()
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(key)
+    return key

@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from mitmproxy import command, ctx, exceptions, http
@@ -28,6 +29,7 @@ from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.routing import is_agent_path
+from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_models import TurnRecord
@@ -126,6 +128,13 @@ class TitoAddon:
             "tito_session_idle_timeout", int, 1800, "Close a session unused for this many seconds (0: never)."
         )
         loader.add_option(
+            "tito_signing_key",
+            str,
+            "",
+            "Key that signs what agents echo back (thinking signatures, encrypted reasoning); proxies sharing sessions "
+            "share it. Empty: a key kept in the record dir (.tito-signing-key, made on first use).",
+        )
+        loader.add_option(
             "tito_max_sessions",
             int,
             10000,
@@ -164,6 +173,7 @@ class TitoAddon:
                 record_message_text=opts.tito_record_message_text,
                 session_idle_timeout=opts.tito_session_idle_timeout,
                 max_sessions=opts.tito_max_sessions,
+                signing_key=opts.tito_signing_key,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -187,6 +197,7 @@ class TitoAddon:
             session_header=settings.session_header,
             prefixes=self.prefixes,
             record_message_text=settings.record_message_text,
+            signer=self._signer(settings),
         )
         logger.info(
             "tito: %s backend, tokenizer %s, family %s, recording to %s",
@@ -195,6 +206,13 @@ class TitoAddon:
             settings.model_family,
             settings.record_dir,
         )
+
+    @staticmethod
+    def _signer(settings: TitoSettings) -> TurnSigner:
+        if settings.signing_key:
+            return TurnSigner(settings.signing_key.encode())
+        record_dir = Path(settings.record_dir)
+        return TurnSigner(lambda create: stored_key(record_dir, create))
 
     @staticmethod
     def _build_engine(settings: TitoSettings) -> TokenEngine:

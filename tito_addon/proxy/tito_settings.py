@@ -33,6 +33,14 @@ class TitoSettings(BaseModel):
     prefix_cache_mb: int = Field(default=256, ge=0, le=1024 * 1024)
     session_idle_timeout: float = 1800.0
     max_sessions: int = 10000
+    signing_key: str = ""  # "": a key kept in the record dir
+
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_key(cls, value: str) -> str:
+        if value and len(value.encode()) < 16:
+            raise ValueError("must be at least 16 bytes (or empty: a key kept in the record dir)")
+        return value
 
     @field_validator("backend_kind")
     @classmethod

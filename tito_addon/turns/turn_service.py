@@ -227,6 +227,11 @@ class TurnService:
         session = prepared.attachment.session
         known = session.session_id if session is not None else (prepared.session_id or prepared.new_session_id)
         reply_id = api.reply_id(known) or ""
+        if api.signs:
+            try:
+                self.signer.key  # noqa: B018 - loaded before the backend runs, so a failure records nothing
+            except OSError as exc:
+                raise TitoError(f"cannot keep the signing key: {exc}; nothing was forwarded") from exc
         context = ReplyContext(reply_id=reply_id, prompt_tokens=len(prepared.prompt), signer=self.signer)
         return api.responder(prepared.agent, context)
 
