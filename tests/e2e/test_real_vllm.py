@@ -260,9 +260,11 @@ def test_an_anthropic_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Pa
             base_url=proxy.url, api_key="e2e", default_headers={"x-session-id": "claude"}, max_retries=0
         )
         messages: list[dict] = [{"role": "user", "content": "Weather in Oslo?"}]
-        common = {"model": "tiny-qwen3", "max_tokens": 64, "tools": ANTHROPIC_TOOLS, "temperature": 1.0,
+        # The installed SDK has no temperature argument; the API field still travels in the body.
+        common = {"model": "tiny-qwen3", "max_tokens": 64, "tools": ANTHROPIC_TOOLS,
                   "thinking": {"type": "disabled"}, "system": "You are a weather bot."}  # fmt: skip
-        call = client.messages.create(**common, messages=messages, extra_body={"structured_outputs": {"regex": CALL}})
+        steer = {"structured_outputs": {"regex": CALL}, "temperature": 1.0}
+        call = client.messages.create(**common, messages=messages, extra_body=steer)
         assert call.stop_reason == "tool_use"
         (use,) = [b for b in call.content if b.type == "tool_use"]
         assert use.name == "get_weather" and use.id.startswith("toolu_")

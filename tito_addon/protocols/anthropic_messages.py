@@ -138,7 +138,11 @@ class Translation:
                 texts.append(block)
             elif isinstance(block, ToolUseBlock):
                 calls.append(
-                    {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": arguments_text(block.input)},
+                    }
                 )
             else:
                 raise BadRequest(f"{where}: an assistant message cannot hold a {block.type} block")
@@ -148,6 +152,12 @@ class Translation:
         if calls:
             message["tool_calls"] = calls
         self.add(item, message)
+
+
+def arguments_text(arguments: dict[str, Any]) -> str:
+    """`input` as the JSON string a chat tool call carries (backends' chat models refuse an object there; the
+    message key and the template both read it back as a value, so the spelling is not identity)."""
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def chat_tools(tools: list[ToolParam] | None, dropped: list[str]) -> list[dict[str, Any]] | None:
