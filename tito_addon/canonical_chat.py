@@ -127,7 +127,21 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-class ChatRequest(BaseModel):
+class BoundedRequest(BaseModel):
+    """A request body that can be forwarded as JSON: refused when too deep, non-finite or not valid Unicode."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_json(cls, value: Any) -> Any:
+        problem = json_value_problem(value)
+        if problem is not None:
+            raise ValueError(f"request body cannot be forwarded: {problem}")
+        return value
+
+
+class ChatRequest(BoundedRequest):
     """An agent's chat-completion request. Fields the engine does not need pass through untouched."""
 
     model_config = ConfigDict(extra="allow")
@@ -147,14 +161,6 @@ class ChatRequest(BaseModel):
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
     seed: Seed | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_json(cls, value: Any) -> Any:
-        problem = json_value_problem(value)
-        if problem is not None:
-            raise ValueError(f"request body cannot be forwarded: {problem}")
-        return value
 
     @field_validator("n")
     @classmethod

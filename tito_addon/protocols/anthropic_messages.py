@@ -25,8 +25,6 @@ import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
 from tito_addon.canonical_chat import ChatRequest, parse_arguments
 from tito_addon.protocols.agent_api import (
     AgentRequest,
@@ -48,7 +46,7 @@ from tito_addon.protocols.anthropic_models import (
     ToolUseBlock,
 )
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import parse_json_object
+from tito_addon.protocols.json_body import parse_json_object, validated
 from tito_addon.protocols.turn_refs import TurnSigner, new_id
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
 
@@ -182,12 +180,6 @@ def chat_tool_choice(choice: ToolChoice | None) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def _validation_message(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-    return f"invalid messages request at {where}: {first.get('msg')}"
-
-
 class AnthropicMessagesApi:
     name = "anthropic_messages"
     signs = True  # mints values the agent echoes back (see turn_refs)
@@ -204,12 +196,7 @@ class AnthropicMessagesApi:
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
         raw = parse_json_object(body)
-        try:
-            request = MessagesRequest.model_validate(raw)
-        except ValidationError as exc:
-            raise BadRequest(_validation_message(exc)) from exc
-        except RecursionError as exc:
-            raise BadRequest("request body is nested too deeply") from exc
+        request = validated(MessagesRequest, raw, "messages request")
         if action == "turn" and request.max_tokens is None:
             raise BadRequest("invalid messages request at max_tokens: Field required")
         translation = Translation(self.signer)
@@ -250,10 +237,7 @@ class AnthropicMessagesApi:
         if request.stop_sequences:
             chat_body["stop"] = list(request.stop_sequences)
         chat_body.update(backend_extensions(raw))
-        try:
-            chat = ChatRequest.model_validate(chat_body)
-        except ValidationError as exc:
-            raise BadRequest(_validation_message(exc)) from exc
+        chat = validated(ChatRequest, chat_body, "messages request")
         thinking = None if request.thinking is None else request.thinking.type != "disabled"
         return AgentRequest(
             chat=chat,

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from tito_addon.canonical_chat import Number, TokenCount, json_value_problem
+from tito_addon.canonical_chat import BoundedRequest, Number, TokenCount
 
 
 class _Block(BaseModel):
@@ -93,9 +93,7 @@ class ThinkingConfig(BaseModel):
     budget_tokens: Annotated[int, Field(ge=0)] | None = None
 
 
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class MessagesRequest(BoundedRequest):
     model: str = Field(min_length=1)
     messages: list[MessageParam] = Field(min_length=1)
     max_tokens: TokenCount | None = None  # required for a turn, optional for count_tokens
@@ -109,11 +107,3 @@ class MessagesRequest(BaseModel):
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
     stream: StrictBool | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_json(cls, value: Any) -> Any:
-        problem = json_value_problem(value)
-        if problem is not None:
-            raise ValueError(f"request body cannot be forwarded: {problem}")
-        return value

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from tito_addon.tito_errors import BadRequest
 
 
@@ -40,3 +42,15 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object")
     return obj
+
+
+def validated[M: BaseModel](model: type[M], obj: dict[str, Any], what: str) -> M:
+    """`obj` as `model`, or a BadRequest naming the first field that is wrong."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise BadRequest(f"invalid {what} at {where}: {first.get('msg')}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc

@@ -12,13 +12,11 @@ import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
 from tito_addon.canonical_chat import ChatRequest
 from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import parse_json_object
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
+from tito_addon.protocols.json_body import parse_json_object, validated
+from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
 DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 # The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
@@ -46,14 +44,7 @@ def parse_body(body: bytes) -> ChatRequest:
 def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
     obj = parse_json_object(body)
-    try:
-        return ChatRequest.model_validate(obj), obj
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise BadRequest(f"invalid chat request at {where}: {first.get('msg')}") from exc
-    except RecursionError as exc:
-        raise BadRequest("request body is nested too deeply") from exc
+    return validated(ChatRequest, obj, "chat request"), obj
 
 
 def sse_from_completion(completion: dict[str, Any], *, include_usage: bool) -> bytes:

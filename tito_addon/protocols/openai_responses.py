@@ -28,11 +28,9 @@ import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
 from tito_addon.canonical_chat import ChatRequest
 from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, backend_extensions
-from tito_addon.protocols.json_body import parse_json_object
+from tito_addon.protocols.json_body import parse_json_object, validated
 from tito_addon.protocols.openai_responses_models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -219,14 +217,7 @@ class OpenAIResponsesApi:
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
         raw = parse_json_object(body)
-        try:
-            request = ResponsesRequest.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-            raise BadRequest(f"invalid responses request at {where}: {first.get('msg')}") from exc
-        except RecursionError as exc:
-            raise BadRequest("request body is nested too deeply") from exc
+        request = validated(ResponsesRequest, raw, "responses request")
         dropped: list[str] = []
         tools, namespaces = chat_tools(request.tools, dropped)
         translation = Translation(self.signer, namespaces)
@@ -272,11 +263,7 @@ class OpenAIResponsesApi:
         if form is not None:
             chat_body["response_format"] = form
         chat_body.update(backend_extensions(raw))
-        try:
-            chat = ChatRequest.model_validate(chat_body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise BadRequest(f"invalid responses request: {first.get('msg')}") from exc
+        chat = validated(ChatRequest, chat_body, "responses request")
         effort = request.reasoning.effort if request.reasoning is not None else None
         thinking = None if request.reasoning is None else effort not in ("none", "minimal")
         return AgentRequest(

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from tito_addon.canonical_chat import Number, TokenCount, json_value_problem
+from tito_addon.canonical_chat import BoundedRequest, Number, TokenCount
 
 
 class _Open(BaseModel):
@@ -71,7 +71,7 @@ class ReasoningConfig(_Open):
     summary: str | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(BoundedRequest):
     model: str = Field(min_length=1)
     input: StrictStr | list[Item]
     instructions: StrictStr | None = None
@@ -91,10 +91,7 @@ class ResponsesRequest(_Open):
 
     @model_validator(mode="before")
     @classmethod
-    def _bounded_json(cls, value: Any) -> Any:
-        problem = json_value_problem(value)
-        if problem is not None:
-            raise ValueError(f"request body cannot be forwarded: {problem}")
+    def _easy_messages(cls, value: Any) -> Any:
         if isinstance(value, dict) and isinstance(value.get("input"), list):
             # An item may leave out `type`: {role, content} is a message (the API's "easy input message").
             value = dict(value)
