@@ -337,6 +337,35 @@ def test_answer_after_tool_result(replica: ReplicaThread) -> None:
     assert "The tool returned" in choice["message"]["reasoning_content"]
 
 
+def test_steering_picks_the_tool_and_bounds_the_rounds() -> None:
+    """`preferred_tools` calls the named tool (the knob's order; names not offered are skipped) with its fixed
+    arguments, parallel calls included; `tool_rounds` calls tools for N assistant turns after the user's prompt,
+    whatever comes last (here a system message after the prompt, as Claude Code sends), then answers."""
+    preferred = {"not_offered": {"x": 1}, "get_time": {"city": "Lima"}, "get_weather": {"city": "Oslo"}}
+    config = ReplicaConfig(tokenizer=str(TOKENIZER_DIR), preferred_tools=preferred, tool_rounds=3)
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "What time is it in Lima?"},
+        {"role": "system", "content": "Working directory: /tmp"},
+    ]
+    with ReplicaThread(config) as steered:
+        for turn in (1, 2, 3):
+            status, out, _ = chat(steered, tito_body(messages, tools=WEATHER_TOOLS))
+            assert status == 200
+            message = out["choices"][0]["message"]
+            calls = message["tool_calls"]
+            # Every third turn is the script's parallel turn: the steered tool twice, never made-up arguments.
+            assert [c["function"]["name"] for c in calls] == ["get_time"] * (2 if turn == 3 else 1)
+            assert all(json.loads(c["function"]["arguments"]) == {"city": "Lima"} for c in calls)
+            messages.append({"role": "assistant", "content": message["content"], "tool_calls": calls})
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "12:00"} for c in calls]
+        status, out, _ = chat(steered, tito_body(messages, tools=WEATHER_TOOLS))
+        assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["message"]["tool_calls"] is None
+        # A new prompt starts a new count.
+        messages += [{"role": "assistant", "content": "Noon."}, {"role": "user", "content": "And now?"}]
+        status, out, _ = chat(steered, tito_body(messages, tools=WEATHER_TOOLS))
+        assert out["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_thinking_off(replica: ReplicaThread, tok: Any) -> None:
     body = tito_body(USER, chat_template_kwargs={"enable_thinking": False})
     status, out, _ = chat(replica, body)

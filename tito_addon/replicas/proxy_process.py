@@ -36,7 +36,10 @@ class Mitmdump:
         via_module: bool = False,
         extra_args: list[str] | None = None,
         mode: str | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
+        """`launcher` is an argv prefix the process is started under (`nsenter --net=…` runs it in another network
+        namespace); the listening port is still read from its output."""
         settings = {
             "tito_tokenizer": tokenizer,
             "tito_model_family": family,
@@ -53,6 +56,7 @@ class Mitmdump:
             mitmdump = Path(sys.executable).with_name("mitmdump")
             script = REPO / "tito_addon" / "__init__.py"
             self.argv = [str(mitmdump), "-s", str(script), "--set", "connection_strategy=lazy", *common]
+        self.argv = [*(launcher or []), *self.argv]
         env = dict(os.environ)
         if via_module:
             env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

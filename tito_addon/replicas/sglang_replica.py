@@ -133,6 +133,21 @@ class ReplicaConfig(BaseModel):
         description="simulate sglang's radix cache: meta_info.cached_tokens = longest prefix shared "
         "with an earlier prompt+completion (always < prompt length); False -> always 0",
     )
+    # Steering for real agents (Claude Code, Codex), which offer a dozen tools and put context messages after the
+    # prompt: by default the script calls the request's first tool with arguments made up from its schema, and only
+    # when the last message is the user's. Both knobs unset keep that behaviour exactly.
+    preferred_tools: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="tool name -> fixed arguments: when a call turn offers one of these tools (first listed here "
+        "wins) the script calls it with these arguments instead of the first tool with made-up ones; parallel "
+        "calls then repeat it",
+    )
+    tool_rounds: int | None = Field(
+        default=None,
+        ge=0,
+        description="None: call a tool when the last message is the user's. N: call a tool while fewer than N "
+        "assistant turns follow the last user message, whatever role comes last, then answer",
+    )
 
 
 class _BadRequest(Exception):
@@ -307,8 +322,35 @@ def _arguments_for(fn: dict[str, Any], word: str) -> dict[str, Any]:
     return args
 
 
-def _script_turn(body: dict[str, Any], thinking: bool) -> _Script:
-    """Decide the completion deterministically from the request (messages, tools, tool_choice)."""
+def _preferred_tool(fns: list[dict[str, Any]], preferred: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The first tool named in ``preferred`` that the request offers (the knob's order, not the request's)."""
+    offered = {str(f["name"]): f for f in fns}
+    return next((offered[name] for name in preferred if name in offered), None)
+
+
+def _rounds_since_prompt(messages: list[dict[str, Any]]) -> int:
+    """Assistant turns after the last user message: the tool rounds already spent on the current prompt."""
+    rounds = 0
+    for message in reversed(messages):
+        role = message.get("role")
+        if role == "user":
+            break
+        rounds += role == "assistant"
+    return rounds
+
+
+def _script_turn(
+    body: dict[str, Any],
+    thinking: bool,
+    *,
+    preferred_tools: dict[str, dict[str, Any]] | None = None,
+    tool_rounds: int | None = None,
+) -> _Script:
+    """Decide the completion deterministically from the request (messages, tools, tool_choice).
+
+    ``preferred_tools`` and ``tool_rounds`` are :class:`ReplicaConfig`'s steering knobs; unset, the script calls the
+    first offered tool when the last message is the user's and answers otherwise.
+    """
     messages: list[dict[str, Any]] = [m for m in body["messages"] if isinstance(m, dict)]
     turn = 1 + sum(1 for m in messages if m.get("role") == "assistant")
     last = messages[-1] if messages else {}
@@ -322,15 +364,29 @@ def _script_turn(body: dict[str, Any], thinking: bool) -> _Script:
     if isinstance(tool_choice, dict):
         wanted = (tool_choice.get("function") or {}).get("name")
         forced = next((f for f in fns if f.get("name") == wanted), None)
-    call_turn = bool(fns) and (forced is not None or tool_choice == "required" or last_role == "user")
+    if tool_rounds is None:
+        wants_tool = last_role == "user"
+    else:
+        # Claude Code sends its environment block as a system message after the prompt, so the last role says
+        # nothing; count the rounds this prompt has had instead, which also ends the agent's loop after N.
+        wants_tool = _rounds_since_prompt(messages) < tool_rounds
+    call_turn = bool(fns) and (forced is not None or tool_choice == "required" or wants_tool)
 
     if call_turn:
-        first = forced or fns[0]
-        calls = [(str(first["name"]), _arguments_for(first, word))]
+        preferred = _preferred_tool(fns, preferred_tools or {}) if forced is None else None
+
+        def arguments(fn: dict[str, Any], salt: int) -> dict[str, Any]:
+            if preferred is not None:
+                return dict((preferred_tools or {})[str(fn["name"])])
+            return _arguments_for(fn, _derive_word(last_user, salt=salt) if salt else word)
+
+        first = forced or preferred or fns[0]
+        calls = [(str(first["name"]), arguments(first, 0))]
         content = ""
         if turn % 3 == 0:  # every 3rd turn: two parallel calls
-            second = fns[1] if len(fns) > 1 and forced is None else first
-            calls.append((str(second["name"]), _arguments_for(second, _derive_word(last_user, salt=1))))
+            # A steered script repeats its tool: another offered tool would get made-up arguments.
+            second = fns[1] if len(fns) > 1 and forced is None and preferred is None else first
+            calls.append((str(second["name"]), arguments(second, 1)))
             content = "I will look up both at once."
         names = " and ".join(dict.fromkeys(n for n, _ in calls))
         reasoning = f'The user wants an answer to "{_summary(last_user)}". I will call {names}.'
@@ -846,7 +902,9 @@ class ReferenceBackend(ServedApp):
         prompt_ids = self._prompt_ids(body)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking") is not False
-        script = _script_turn(body, thinking)
+        script = _script_turn(
+            body, thinking, preferred_tools=self.config.preferred_tools, tool_rounds=self.config.tool_rounds
+        )
         full_text, spans, fallback = _completion_text(script)
         ids, splits = self._noncanonical(full_text, spans, fallback)
         ids.append(tok.im_end)
