@@ -262,3 +262,13 @@ def test_an_upstream_failure_is_an_anthropic_error_and_records_nothing(proxy, re
     reply = api.messages.create(model="qwen3", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
     assert reply.stop_reason in ("end_turn", "max_tokens")
     assert json.loads(next(proxy.record_dir.glob("*.jsonl")).read_text().splitlines()[0])["api"] == "anthropic_messages"
+
+
+def test_session_scoped_base_urls_name_the_session(proxy, replica) -> None:
+    """`/sessions/{id}/v1/messages` (and `?beta=true`, as Claude Code sends) names the session like the header."""
+    api = anthropic.Anthropic(base_url=proxy.url + "/sessions/team%2Frun-7", api_key="sk-ant-client", max_retries=0)
+    api.messages.create(model="qwen3", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    body = {"model": "qwen3", "max_tokens": 64, "messages": [{"role": "user", "content": "hello"}]}
+    reply = post(proxy.url + "/sessions/team%2Frun-7/v1/messages?beta=true", json=body)
+    assert reply.status_code == 200 and reply.headers["x-tito-session-id"] == "team/run-7"
+    assert {t.session_id for t in recorded(proxy.record_dir)} == {"team/run-7"}

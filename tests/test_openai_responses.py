@@ -245,3 +245,11 @@ def test_bad_requests_are_openai_errors_and_change_nothing(proxy, replica) -> No
     with pytest.raises(openai.BadRequestError):
         client(proxy).responses.create(model="qwen3", input=[{"type": "mystery"}])
     assert replica.received() == [] and not list(proxy.record_dir.glob("*.jsonl"))
+
+
+def test_session_scoped_base_urls_name_the_session(proxy, replica) -> None:
+    api = openai.OpenAI(base_url=proxy.url + "/sessions/codex-1/v1", api_key="sk-client", max_retries=0)
+    first = api.responses.create(model="qwen3", input="hi")
+    api.responses.create(model="qwen3", input="hello", previous_response_id=first.id)
+    turns = assert_token_exact(proxy.record_dir, replica)
+    assert [(t.session_id, t.parent_turn_id) for t in turns] == [("codex-1", None), ("codex-1", 0)]
