@@ -67,6 +67,27 @@ def cached_engine(tokenizer_family: str, family: str = "", roles: tuple[str, ...
     )
 
 
+@pytest.fixture(scope="module")
+def replica():
+    """The sglang replica over the real Qwen3 tokenizer, one per test module (modules may define their own)."""
+    from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
+        yield running
+
+
+@pytest.fixture
+def proxy(replica, tmp_path: Path):
+    """A real mitmdump with the addon in front of `replica`, recording to `proxy.record_dir`, per test."""
+    from tito_addon.replicas.proxy_process import Mitmdump
+
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as running:
+        running.record_dir = record_dir
+        yield running
+
+
 @pytest.fixture
 def qwen3_engine():
     return cached_engine("qwen3")

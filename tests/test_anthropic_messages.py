@@ -10,11 +10,11 @@ from pathlib import Path
 import anthropic
 import pytest
 from conftest import tokenizer_path
-from proxy_harness import Mitmdump, post
+from proxy_harness import post
 
 from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+from tito_addon.replicas.sglang_replica import ReplicaThread
 
 TOOLS = [
     {
@@ -33,21 +33,6 @@ SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=sdk-cli;"},
     {"type": "text", "text": "You are a careful agent.", "cache_control": {"type": "ephemeral"}},
 ]
-
-
-@pytest.fixture(scope="module")
-def replica():
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
-        yield running
-
-
-@pytest.fixture
-def proxy(replica, tmp_path: Path):
-    replica.backend.reset()
-    record_dir = tmp_path / "rec"
-    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as running:
-        running.record_dir = record_dir
-        yield running
 
 
 def client(proxy, **headers: str) -> anthropic.Anthropic:

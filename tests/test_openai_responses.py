@@ -14,8 +14,6 @@ from conftest import tokenizer_path
 from proxy_harness import Mitmdump, post
 from test_anthropic_messages import assert_token_exact
 
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-
 TOOLS = [
     {
         "type": "function",
@@ -44,24 +42,11 @@ DEVELOPER = [
 ]
 
 
-@pytest.fixture(scope="module")
-def replica():
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
-        yield running
-
-
 def start_proxy(replica, tmp_path: Path) -> Mitmdump:
     record_dir = tmp_path / "rec"
     proxy = Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path)
     proxy.record_dir = record_dir
     return proxy
-
-
-@pytest.fixture
-def proxy(replica, tmp_path: Path):
-    replica.backend.reset()
-    with start_proxy(replica, tmp_path) as running:
-        yield running
 
 
 def client(proxy) -> openai.OpenAI:

@@ -15,23 +15,9 @@ from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+from tito_addon.replicas.sglang_replica import ReplicaThread
 
 NODE_DIR = REPO / "tests" / "node"
-
-
-@pytest.fixture(scope="module")
-def replica():
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
-        yield running
-
-
-@pytest.fixture
-def proxy(replica, tmp_path: Path):
-    replica.backend.reset()
-    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path) as running:
-        running.record_dir = tmp_path / "rec"
-        yield running
 
 
 def trajectory_matches(record_dir: Path, replica: ReplicaThread) -> list:

@@ -9,6 +9,7 @@ consumes canonical `chat.completion.chunk` dicts, live from the backend or made 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,6 +119,23 @@ class AgentApi(Protocol):
     def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes: ...
 
     def count_tokens_body(self, count: int) -> bytes: ...
+
+
+class TranslatedApi:
+    """An API translated to chat: served at `…/v1/<its path>` under any prefix (and `/sessions/{id}/`), its turns
+    run on the backend's chat path under the same prefix; it signs with the proxy's signer."""
+
+    path: re.Pattern[str]  # groups: sid, prefix, and `count` for a count_tokens route
+
+    def __init__(self, signer: TurnSigner | None = None) -> None:
+        self.signer = signer
+
+    def route(self, path: str) -> Route | None:
+        match = self.path.match(path)
+        if match is None:
+            return None
+        action = "count_tokens" if match.groupdict().get("count") else "turn"
+        return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from tito_addon.canonical_chat import ChatRequest, parse_arguments
 from tito_addon.protocols.agent_api import (
     AgentRequest,
     ReplyContext,
-    Route,
+    TranslatedApi,
     TurnOutcome,
     backend_extensions,
     chunks_from_message,
@@ -180,19 +180,10 @@ def chat_tool_choice(choice: ToolChoice | None) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-class AnthropicMessagesApi:
+class AnthropicMessagesApi(TranslatedApi):
     name = "anthropic_messages"
     signs = True  # mints values the agent echoes back (see turn_refs)
-
-    def __init__(self, signer: TurnSigner | None = None) -> None:
-        self.signer = signer
-
-    def route(self, path: str) -> Route | None:
-        match = MESSAGES_PATH.match(path)
-        if match is None:
-            return None
-        action = "count_tokens" if match.group("count") else "turn"
-        return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")
+    path = MESSAGES_PATH
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
         raw = parse_json_object(body)

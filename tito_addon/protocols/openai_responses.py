@@ -29,7 +29,7 @@ import re
 from typing import Any
 
 from tito_addon.canonical_chat import ChatRequest
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, backend_extensions
+from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, TranslatedApi, backend_extensions
 from tito_addon.protocols.json_body import parse_json_object, validated
 from tito_addon.protocols.openai_responses_models import (
     FunctionCallItem,
@@ -202,18 +202,10 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise BadRequest(f"unsupported text.format type {form.get('type')!r}")
 
 
-class OpenAIResponsesApi:
+class OpenAIResponsesApi(TranslatedApi):
     name = "openai_responses"
     signs = True  # mints values the agent echoes back (see turn_refs)
-
-    def __init__(self, signer: TurnSigner | None = None) -> None:
-        self.signer = signer
-
-    def route(self, path: str) -> Route | None:
-        match = RESPONSES_PATH.match(path)
-        if match is None:
-            return None
-        return Route(self, "turn", match.group("sid"), match.group("prefix") + "/v1/chat/completions")
+    path = RESPONSES_PATH
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
         raw = parse_json_object(body)
