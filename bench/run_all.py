@@ -329,7 +329,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", default="p1,p2,p3", help="comma-separated: p1 (with p4), p2, p3")
+    parser.add_argument("--only", default="p1,p2,p3,p5", help="comma-separated: p1 (with p4), p2, p3, p5")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -344,6 +344,10 @@ def main() -> int:
         results["p2"] = p2()
     if "p3" in only:
         results["p3"] = p3()
+    if "p5" in only:
+        from agent_apis import p5
+
+        results["p5"] = p5()
     args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     return 0

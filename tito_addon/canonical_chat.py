@@ -18,7 +18,17 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -134,7 +144,9 @@ class BoundedRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _bounded_json(cls, value: Any) -> Any:
+    def _bounded_json(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.context and info.context.get("bounded"):
+            return value  # built from values that were checked already (a translated request): walk it once only
         problem = json_value_problem(value)
         if problem is not None:
             raise ValueError(f"request body cannot be forwarded: {problem}")

@@ -80,6 +80,7 @@ class Translation:
         self.messages: list[dict[str, Any]] = []
         self.item_of: list[int] = []
         self.dropped: list[str] = []
+        self.signatures: list[tuple[str, str, str]] = []  # (where, signature, thinking) of the last assistant message
 
     def add(self, item: int, message: dict[str, Any]) -> None:
         self.messages.append(message)
@@ -121,6 +122,7 @@ class Translation:
             self.add(item, {"role": "assistant", "content": content})
             return
         _no_images(content, where)
+        self.signatures = []  # only the newest assistant message is checked: older ones were, on earlier turns
         thinking: list[str] = []
         texts: list[TextBlock] = []
         calls: list[dict[str, Any]] = []
@@ -128,8 +130,7 @@ class Translation:
             if isinstance(block, ThinkingBlock):
                 thinking.append(block.thinking)
                 if block.signature and self.signer is not None:
-                    if self.signer.verify_text(THINKING_PURPOSE, block.signature, block.thinking) is None:
-                        self.dropped.append(f"{where}: a thinking signature that is not ours (read as plain text)")
+                    self.signatures.append((where, block.signature, block.thinking))
             elif isinstance(block, RedactedThinkingBlock):
                 self.dropped.append(f"{where}: a redacted_thinking block (unreadable, left out of the prompt)")
             elif isinstance(block, TextBlock):
@@ -209,6 +210,9 @@ class AnthropicMessagesApi(TranslatedApi):
             else:
                 translation.assistant(item, message.content, where)
         items += raw["messages"]
+        for where, signature, text in translation.signatures:
+            if self.signer is not None and self.signer.verify_text(THINKING_PURPOSE, signature, text) is None:
+                translation.dropped.append(f"{where}: a thinking signature that is not ours (read as plain text)")
         if not translation.messages:
             raise BadRequest("the request has no message the model can read")
         dropped = translation.dropped
@@ -228,7 +232,7 @@ class AnthropicMessagesApi(TranslatedApi):
         if request.stop_sequences:
             chat_body["stop"] = list(request.stop_sequences)
         chat_body.update(backend_extensions(raw))
-        chat = validated(ChatRequest, chat_body, "messages request")
+        chat = validated(ChatRequest, chat_body, "messages request", bounded=True)
         thinking = None if request.thinking is None else request.thinking.type != "disabled"
         return AgentRequest(
             chat=chat,

@@ -44,10 +44,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def validated[M: BaseModel](model: type[M], obj: dict[str, Any], what: str) -> M:
-    """`obj` as `model`, or a BadRequest naming the first field that is wrong."""
+def validated[M: BaseModel](model: type[M], obj: dict[str, Any], what: str, *, bounded: bool = False) -> M:
+    """`obj` as `model`, or a BadRequest naming the first field that is wrong. `bounded`: `obj` was built from a
+    request whose JSON bounds were checked already, so they are not walked again."""
     try:
-        return model.model_validate(obj)
+        return model.model_validate(obj, context={"bounded": True} if bounded else None)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"

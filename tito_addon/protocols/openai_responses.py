@@ -255,7 +255,7 @@ class OpenAIResponsesApi(TranslatedApi):
         if form is not None:
             chat_body["response_format"] = form
         chat_body.update(backend_extensions(raw))
-        chat = validated(ChatRequest, chat_body, "responses request")
+        chat = validated(ChatRequest, chat_body, "responses request", bounded=True)
         effort = request.reasoning.effort if request.reasoning is not None else None
         thinking = None if request.reasoning is None else effort not in ("none", "minimal")
         return AgentRequest(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 PREFIX = "tito1"
 MAX_BLOB = 4 * 1024 * 1024  # a decompressed reasoning text larger than this is refused, not inflated
+OPENED_CACHE = 4096  # sealed values remembered once opened
 
 
 def _b64(data: bytes) -> str:
@@ -43,6 +44,7 @@ class TurnSigner:
     def __init__(self, key: bytes | Callable[[bool], bytes | None]) -> None:
         self._key: bytes | None = None
         self._load: Callable[[bool], bytes | None] | None = None
+        self._opened: dict[tuple[str, str], tuple[str, str]] = {}
         if callable(key):
             self._load = key
         else:
@@ -106,7 +108,21 @@ class TurnSigner:
         return ".".join((PREFIX, _b64(rid), _b64(body), _b64(self._mac(purpose, rid, body))))
 
     def open_text(self, purpose: str, value: object) -> tuple[str, str] | None:
-        """(reply id, text) from a sealed value that is ours; None for anything else."""
+        """(reply id, text) from a sealed value that is ours; None for anything else. Codex sends every earlier
+        turn's sealed reasoning again on each request, so what was opened is remembered (a bounded cache)."""
+        if not isinstance(value, str):
+            return None
+        cached = self._opened.get((purpose, value))
+        if cached is not None:
+            return cached
+        opened = self._open(purpose, value)
+        if opened is not None:
+            if len(self._opened) >= OPENED_CACHE:
+                self._opened.clear()
+            self._opened[(purpose, value)] = opened
+        return opened
+
+    def _open(self, purpose: str, value: str) -> tuple[str, str] | None:
         parts = value.split(".") if isinstance(value, str) and len(value) < 2 * MAX_BLOB else []
         if len(parts) != 4 or parts[0] != PREFIX:
             return None
