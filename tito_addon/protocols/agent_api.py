@@ -18,6 +18,8 @@ from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
+EVENT_STREAM_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+
 # Fields no agent API defines that sglang and vLLM read from a chat body (sampling, constrained decoding, template
 # kwargs): an Anthropic or Responses request may carry them as extensions, and they go to the backend as they are.
 BACKEND_EXTENSIONS = (

@@ -27,6 +27,7 @@ from typing import Any
 
 from tito_addon.canonical_chat import ChatRequest, parse_arguments
 from tito_addon.protocols.agent_api import (
+    EVENT_STREAM_HEADERS,
     AgentRequest,
     ReplyContext,
     TranslatedApi,
@@ -55,7 +56,7 @@ MESSAGES_PATH = re.compile(
 )
 BILLING_PREFIX = "x-anthropic-billing-header"
 THINKING_PURPOSE = "anthropic-thinking"
-SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+SSE_HEADERS = EVENT_STREAM_HEADERS
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",

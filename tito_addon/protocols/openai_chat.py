@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from tito_addon.canonical_chat import ChatRequest
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route, TurnOutcome
+from tito_addon.protocols.agent_api import EVENT_STREAM_HEADERS, AgentRequest, ReplyContext, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.json_body import parse_json_object, validated
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
@@ -22,11 +22,7 @@ DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "me
 # The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
 CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
 
-SSE_HEADERS = {
-    "content-type": "text/event-stream; charset=utf-8",
-    "cache-control": "no-cache",
-    "x-tito-stream": "reframed",
-}
+SSE_HEADERS = {**EVENT_STREAM_HEADERS, "x-tito-stream": "reframed"}
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

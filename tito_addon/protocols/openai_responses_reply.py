@@ -11,12 +11,18 @@ import json
 import time
 from typing import Any
 
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, TurnOutcome, chunks_from_message
+from tito_addon.protocols.agent_api import (
+    EVENT_STREAM_HEADERS,
+    AgentRequest,
+    ReplyContext,
+    TurnOutcome,
+    chunks_from_message,
+)
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.turn_refs import new_id
 
 REASONING_PURPOSE = "responses-reasoning"
-SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+SSE_HEADERS = EVENT_STREAM_HEADERS
 
 
 class ResponsesResponder:
