@@ -13,6 +13,9 @@ Layout (prefix `tito`; a session's keys share the `{sid}` hash tag):
     {P}:ap:{ns}            hash: path digest -> (32 B session id + 4 B turn id)* of automatic sessions' turns
     {P}:g:{ns}             hash: first-request digest -> automatic session id (a GRPO group)
     {P}:r                  hash: reply id -> session id + turn id
+
+One Redis for now: the claim script names the session's meta key only once it knows the session (a GRPO group's
+first claim decides it), which a Redis Cluster refuses; splitting the claim by slot comes with the wiring.
 """
 
 from __future__ import annotations
