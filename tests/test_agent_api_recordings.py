@@ -19,6 +19,7 @@ from test_anthropic_messages import echo as anthropic_echo
 from test_anthropic_messages import tool_results
 from test_openai_responses import echo as responses_echo
 from test_openai_responses import outputs
+from test_replay import replay_proxy
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
@@ -141,10 +142,7 @@ def test_audit_and_redrive_read_them(recorded, tmp_path: Path) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_offline_replay_answers_in_the_api_asked(recorded, tmp_path: Path, stream: bool) -> None:
     record_dir, claude, codex, _ = recorded
-    proxy = Mitmdump("", tokenizer="", record_dir=record_dir, cwd=tmp_path, via_module=True)
-    proxy.argv = [sys.executable, "-m", "tito_addon", "replay", str(record_dir), "--listen-host", "127.0.0.1",
-                  "-p", "0"]  # fmt: skip
-    with proxy:
+    with replay_proxy(record_dir, tmp_path) as proxy:
         again_claude = anthropic_session(
             anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", max_retries=0), stream
         )

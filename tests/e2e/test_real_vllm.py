@@ -229,6 +229,11 @@ RESPONSES_TOOLS = [
 ]
 
 
+def vllm_proxy(url: str, record_dir: Path, cwd: Path) -> Mitmdump:
+    return Mitmdump(url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=cwd,
+                    options={"tito_backend_kind": "vllm"})  # fmt: skip
+
+
 def assert_wire_matches_records(tap: UpstreamTap, record_dir: Path, session: str, turns: int) -> list:
     """Every recorded turn's prompt is what vLLM generated from (sent and echoed), its completion what vLLM
     produced, and each turn extends the previous one."""
@@ -253,9 +258,8 @@ def test_an_anthropic_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Pa
     record_dir = tmp_path / "rec"
     with (
         UpstreamTap(vllm_url) as tap,
-        Mitmdump(tap.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
-                 options={"tito_backend_kind": "vllm"}) as proxy,
-    ):  # fmt: skip
+        vllm_proxy(tap.url, record_dir, tmp_path) as proxy,
+    ):
         client = anthropic.Anthropic(
             base_url=proxy.url, api_key="e2e", default_headers={"x-session-id": "claude"}, max_retries=0
         )
@@ -290,9 +294,8 @@ def test_a_responses_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Pat
     record_dir = tmp_path / "rec"
     with (
         UpstreamTap(vllm_url) as tap,
-        Mitmdump(tap.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
-                 options={"tito_backend_kind": "vllm"}) as proxy,
-    ):  # fmt: skip
+        vllm_proxy(tap.url, record_dir, tmp_path) as proxy,
+    ):
         client = openai.OpenAI(
             base_url=proxy.url + "/v1", api_key="e2e", default_headers={"x-session-id": "codex"}, max_retries=0
         )
