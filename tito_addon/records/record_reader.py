@@ -1,7 +1,10 @@
 """Reads session files back and reconstructs every turn's full prompt ids from the parent chain.
 
-A torn line (a crash mid-write) is reported in `skipped_lines` and skipped, never merged with the next
-line; a turn whose parent is missing makes the file unreadable as a trajectory (`RecordError`).
+A session may be stored in several parts, one per writer process (`<name>+<writer>.jsonl`, see
+`trajectory_recorder`), plus a `<name>.jsonl` of a recorder without a writer id; `read_session` and
+`iter_session_files` merge them into one `SessionFile`. A torn line (a crash mid-write) is reported in
+`skipped` and skipped, never merged with the next line; a turn whose parent is missing, or a turn id that two
+lines claim, makes the session unreadable as a trajectory (`RecordError`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.records.record_models import CLOSE_SCHEMA, TURN_SCHEMA, SessionCloseRecord, TurnRecord
+from tito_addon.records.trajectory_recorder import SUFFIX, WRITER_ID, WRITER_SEPARATOR, session_file_name
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_tree import Session, SessionStore, TurnNode
 
@@ -28,10 +32,27 @@ class RecordError(ValueError):
 
 @dataclass
 class SessionFile:
+    """One session, read from all of its parts. `path` is the first part (the one error messages name)."""
+
     path: Path
     turns: list[TurnRecord] = field(default_factory=list)
     closes: list[SessionCloseRecord] = field(default_factory=list)
-    skipped_lines: list[int] = field(default_factory=list)
+    # (part, line number) of every unreadable line; each may have held a turn id that must never be reused.
+    skipped: list[tuple[Path, int]] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            self.paths = [self.path]
+
+    @property
+    def skipped_lines(self) -> list[int]:
+        """Line numbers of the skipped lines (in their own parts); its length counts them across parts."""
+        return [number for _, number in self.skipped]
+
+    def _where(self) -> str:
+        more = len(self.paths) - 1
+        return f"{self.path} (and {more} more part{'s' * (more > 1)})" if more else str(self.path)
 
     def branches(self) -> Iterator[list[TurnRecord]]:
         """Every root-to-leaf path of the session's tree, in the order the leaves were recorded."""
@@ -51,18 +72,19 @@ class SessionFile:
         """turn_id -> (prompt ids, completion ids), rebuilt from each turn's added ids."""
         ends: dict[int, list[int]] = {}
         out: dict[int, tuple[list[int], list[int]]] = {}
-        for turn in self.turns:  # file order is commit order, so a parent always precedes its children
+        where = self._where()
+        for turn in self.turns:  # a parent always precedes its children (see `merge_parts`)
             if turn.parent_turn_id is None:
                 prompt = list(turn.prompt_added_ids)
             else:
                 if turn.parent_turn_id not in ends:
                     raise RecordError(
-                        f"{self.path}: turn {turn.turn_id} extends turn {turn.parent_turn_id}, which is not recorded"
+                        f"{where}: turn {turn.turn_id} extends turn {turn.parent_turn_id}, which is not recorded"
                     )
                 prompt = ends[turn.parent_turn_id] + turn.prompt_added_ids
             if len(prompt) != turn.prompt_len:
                 raise RecordError(
-                    f"{self.path}: turn {turn.turn_id} rebuilds to {len(prompt)} prompt ids, recorded {turn.prompt_len}"
+                    f"{where}: turn {turn.turn_id} rebuilds to {len(prompt)} prompt ids, recorded {turn.prompt_len}"
                 )
             ends[turn.turn_id] = prompt + turn.completion_ids
             out[turn.turn_id] = (prompt, list(turn.completion_ids))
@@ -70,6 +92,7 @@ class SessionFile:
 
 
 def read_session_file(path: Path) -> SessionFile:
+    """One file, exactly as written: file order is commit order. Not a whole session if it has other parts."""
     result = SessionFile(path=path)
     with path.open("rb") as handle:
         lines = handle.read().split(b"\n")
@@ -88,7 +111,7 @@ def read_session_file(path: Path) -> SessionFile:
         except (ValueError, ValidationError) as exc:
             # A line torn by a crash mid-write; a restarted proxy appends after it. Skipped, never merged.
             logger.warning("%s: skipping unreadable line %d: %s", path, number, str(exc)[:200])
-            result.skipped_lines.append(number)
+            result.skipped.append((path, number))
     seen: set[int] = set()
     for turn in result.turns:
         if turn.turn_id in seen:
@@ -97,11 +120,65 @@ def read_session_file(path: Path) -> SessionFile:
     return result
 
 
+def base_name(file_name: str) -> str:
+    """The session's file name a part belongs to: `s+w1.jsonl` -> `s.jsonl`; any other name is its own."""
+    stem, separator, writer = file_name[: -len(SUFFIX)].partition(WRITER_SEPARATOR)
+    if file_name.endswith(SUFFIX) and separator and stem and WRITER_ID.fullmatch(writer):
+        return stem + SUFFIX
+    return file_name
+
+
+def _part_order(path: Path) -> tuple[bool, str]:
+    return WRITER_SEPARATOR in path.name, path.name  # a writer-less file first, then the writers by id
+
+
+def session_parts(record_dir: Path) -> dict[str, list[Path]]:
+    """Base file name (`session_file_name` of the id) -> every part of that session, sorted by name."""
+    parts: dict[str, list[Path]] = {}
+    for path in record_dir.glob("*" + SUFFIX):
+        parts.setdefault(base_name(path.name), []).append(path)
+    return {name: sorted(parts[name], key=_part_order) for name in sorted(parts)}
+
+
+def merge_parts(paths: list[Path]) -> SessionFile:
+    """One session from all of its parts.
+
+    A lone part keeps its file order (commit order). Across parts, turns are ordered by id: an id is allocated
+    before its turn commits and a child's only after its parent committed, so a parent's id is always lower
+    than its children's, whichever process wrote each."""
+    parts = [read_session_file(path) for path in sorted(paths, key=_part_order)]
+    if len(parts) == 1:
+        return parts[0]
+    merged = SessionFile(path=parts[0].path, paths=[part.path for part in parts])
+    owner: dict[int, Path] = {}
+    for part in parts:
+        for turn in part.turns:
+            if turn.turn_id in owner:
+                raise RecordError(f"turn id {turn.turn_id} appears in both {owner[turn.turn_id]} and {part.path}")
+            owner[turn.turn_id] = part.path
+        merged.turns += part.turns
+        merged.closes += part.closes
+        merged.skipped += part.skipped
+    merged.turns.sort(key=lambda turn: turn.turn_id)
+    merged.closes.sort(key=lambda close: close.ts)  # `closes[-1]` stays the latest, as in one file
+    return merged
+
+
+def read_session(record_dir: Path, session_id: str) -> SessionFile | None:
+    """Every part of one session merged (all writers'), or None when no part exists."""
+    name = session_file_name(session_id)
+    # The name has no glob metacharacters (`session_file_name` allows only [A-Za-z0-9._-]).
+    candidates = [record_dir / name, *record_dir.glob(name[: -len(SUFFIX)] + WRITER_SEPARATOR + "*" + SUFFIX)]
+    paths = [path for path in candidates if base_name(path.name) == name and path.is_file()]
+    return merge_parts(paths) if paths else None
+
+
 def iter_session_files(record_dir: Path) -> Iterator[SessionFile]:
+    """One merged `SessionFile` per session, sorted by file name."""
     if not record_dir.is_dir():
         raise RecordError(f"{record_dir} is not a directory")
-    for path in sorted(record_dir.glob("*.jsonl")):
-        yield read_session_file(path)
+    for paths in session_parts(record_dir).values():
+        yield merge_parts(paths)
 
 
 def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecord]) -> dict[int, TurnNode]:

@@ -3,6 +3,10 @@
 Each line is written with a single `os.write` on an `O_APPEND` descriptor, so concurrent sessions never
 interleave inside a line and a line is in the kernel before the agent receives its answer. File names are
 derived from session ids so that no client-supplied id can name a path outside the record dir.
+
+When several proxy processes share one session space, a session's turns come from several writers, possibly on
+different NFS clients, where O_APPEND is not atomic. So a recorder given a writer id writes its own part of each
+session, `<name>+<writer>.jsonl`, which no other process appends to; readers merge the parts (`record_reader`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import hashlib
 import logging
 import os
 import re
+import secrets
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,10 @@ from tito_addon.records.record_models import SessionCloseRecord, TurnRecord
 logger = logging.getLogger(__name__)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+# No `.` (so no `..`, no second suffix) and no `+`: `<name>+<writer>.jsonl` splits at its only `+`.
+WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+WRITER_SEPARATOR = "+"
+SUFFIX = ".jsonl"
 
 
 def session_file_name(session_id: str) -> str:
@@ -29,19 +39,43 @@ def session_file_name(session_id: str) -> str:
     return f"sid-{hashlib.sha256(session_id.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}.jsonl"
 
 
+def check_writer_id(writer: str) -> str:
+    if not isinstance(writer, str) or not WRITER_ID.fullmatch(writer):
+        raise ValueError(f"writer id {writer!r} must match {WRITER_ID.pattern}")
+    return writer
+
+
+def writer_file_name(session_id: str, writer: str | None) -> str:
+    """The file one writer appends a session's lines to; `session_file_name` when there is no writer id."""
+    name = session_file_name(session_id)
+    if writer is None:
+        return name
+    return name[: -len(SUFFIX)] + WRITER_SEPARATOR + check_writer_id(writer) + SUFFIX
+
+
+def default_writer_id() -> str:
+    """`<host>-<pid>-<random>`: unique among live processes on a shared filesystem. The random part because
+    containers on different hosts often share a host name and a pid (1), and a restarted process may get a
+    recycled pid; a new part per process start costs only a file."""
+    host = re.sub(r"[^A-Za-z0-9_-]+", "-", socket.gethostname()).lstrip("-_")[:40].rstrip("-_") or "host"
+    return check_writer_id(f"{host}-{os.getpid()}-{secrets.token_hex(3)}")
+
+
 class TrajectoryRecorder:
-    def __init__(self, record_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, record_dir: str | os.PathLike[str], writer: str | None = None) -> None:
         self.record_dir = Path(record_dir)
+        self.writer = None if writer is None else check_writer_id(writer)
         self._checked: dict[str, Path] = {}
 
     def ensure_dir(self) -> None:
         self.record_dir.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, session_id: str) -> Path:
+        """This writer's own file for the session (other writers' parts: `record_reader.read_session`)."""
         path = self._checked.get(session_id)
         if path is not None:
             return path
-        path = self.record_dir / session_file_name(session_id)
+        path = self.record_dir / writer_file_name(session_id, self.writer)
         # Belt and braces: the name above cannot contain a separator, but never trust it blindly. Checked once
         # per session (resolving costs a syscall per path component); O_NOFOLLOW guards every open.
         if path.resolve().parent != self.record_dir.resolve():

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_reader import RecordError, iter_session_files
+from tito_addon.records.record_reader import RecordError, iter_session_files, session_parts
 
 SUBCOMMANDS = ("show", "export", "replay", "redrive", "audit", "reference-backend", "demo", "verify-template")
 # Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
@@ -71,7 +71,9 @@ def show(argv: list[str]) -> int:
                     )
             if not args.json:
                 closed = f", closed ({session_file.closes[-1].reason})" if session_file.closes else ""
-                print(f"  {session_file.path.name}: {len(session_file.turns)} turns{closed}")
+                parts = len(session_file.paths)
+                name = session_file.path.name if parts == 1 else f"{session_file.path.name} and {parts - 1} more parts"
+                print(f"  {name}: {len(session_file.turns)} turns{closed}")
     except RecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -89,7 +91,8 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("--format", choices=FORMATS, default="parquet")
     args = parser.parse_args(argv)
     try:
-        sessions = len(list(args.record_dir.glob("*.jsonl"))) if args.record_dir.is_dir() else 0
+        # Sessions, not files: one session may have a part per writer process.
+        sessions = len(session_parts(args.record_dir)) if args.record_dir.is_dir() else 0
         with Progress(transient=True) as progress:
             task = progress.add_task("exporting sessions", total=sessions)
             rows = export(args.record_dir, args.out, args.format, lambda: progress.advance(task))

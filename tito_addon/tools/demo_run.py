@@ -13,8 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from tito_addon.records.record_reader import read_session_file
-from tito_addon.records.trajectory_recorder import session_file_name
+from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.proxy_process import REPO, Mitmdump
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
@@ -85,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  listening at {proxy.url}; the agent runs {args.turns} turns through it:")
             run_agent(proxy.url, session_id, args.turns)
         generated = backend.generated()
-    path = args.record_dir / session_file_name(session_id)
-    recorded = read_session_file(path)
+    recorded = read_session(args.record_dir, session_id)
+    if recorded is None:
+        print(f"\nFAILED: nothing was recorded for session {session_id} in {args.record_dir}")
+        return 1
     ids = recorded.full_ids()
-    print(f"\nrecorded trajectory: {path}")
+    print(f"\nrecorded trajectory: {', '.join(str(path) for path in recorded.paths)}")
     previous: list[int] = []
     ok = len(recorded.turns) == len(generated) == args.turns
     for turn, gen in zip(recorded.turns, generated, strict=False):

@@ -1,0 +1,219 @@
+"""Several writer processes, one session: each writes its own part, every reader sees one session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from proxy_harness import REPO
+
+from tito_addon.canonical_chat import ChatMessage
+from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.record_reader import (
+    RecordError,
+    iter_session_files,
+    read_session,
+    read_session_file,
+    session_parts,
+)
+from tito_addon.records.replay_index import ReplayIndex
+from tito_addon.records.trajectory_recorder import (
+    WRITER_ID,
+    TrajectoryRecorder,
+    default_writer_id,
+    session_file_name,
+)
+
+# turn id -> (parent, prompt ids added, completion ids); a tree with a branch at turn 0 and one at turn 2.
+TREE: dict[int, tuple[int | None, list[int], list[int]]] = {
+    0: (None, [1, 2, 3], [10, 11]),
+    1: (0, [4], [12]),
+    2: (1, [5, 6], [13, 14]),
+    3: (0, [7], [15, 16, 17]),
+    4: (2, [8], [18]),
+    5: (2, [9, 9], [19]),
+}
+# Which writer commits each turn, in commit order: parents on one writer, children on the other.
+COMMITS = [(0, "a"), (1, "b"), (3, "b"), (2, "a"), (5, "b"), (4, "a")]
+
+
+def expected_ids() -> dict[int, tuple[list[int], list[int]]]:
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for turn_id, (parent, added, completion) in TREE.items():
+        before = out[parent][0] + out[parent][1] if parent is not None else []
+        out[turn_id] = (before + added, completion)
+    return out
+
+
+def turn(session_id: str, turn_id: int) -> TurnRecord:
+    parent, added, completion = TREE[turn_id]
+    return TurnRecord.model_validate(
+        {
+            "schema": "tito.turn.v1", "session_id": session_id, "turn_id": turn_id, "parent_turn_id": parent,
+            "ts": 1.0 + turn_id, "model": "m", "backend_kind": "sglang", "sampling": {}, "chat_template_kwargs": {},
+            "tools_sha256": None, "appended_messages": [{"role": "user", "content": f"question {turn_id}"}],
+            "prompt_added_ids": added, "prompt_segments": [], "prompt_len": len(expected_ids()[turn_id][0]),
+            "completion_ids": completion, "completion_logprobs": [-0.5] * len(completion),
+            "assistant_message": {"role": "assistant", "content": f"answer {turn_id}"}, "finish_reason": "stop",
+            "tokenizer": {"name": "t", "tokenizer_sha256": "x", "template_sha256": "y", "family": "qwen3"},
+        }
+    )  # fmt: skip
+
+
+def record(record_dir: Path, session_id: str) -> dict[str, TrajectoryRecorder]:
+    writers = {name: TrajectoryRecorder(record_dir, writer=f"host-{name}-{100 + i}") for i, name in enumerate("abc")}
+    for turn_id, name in COMMITS:
+        writers[name].write_turn(turn(session_id, turn_id))
+    writers["c"].close_session(session_id, turns=len(TREE), reason="shutdown")  # a writer with no turns closes it
+    return writers
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tito_addon", *args], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("session_id", ["agent-7", "team/run 7: ü"])
+def test_two_writers_parts_read_back_as_one_session(tmp_path: Path, session_id: str) -> None:
+    writers = record(tmp_path, session_id)
+    name = session_file_name(session_id)
+    parts = {w: writers[w].path_for(session_id) for w in "abc"}
+    assert {p.name for p in parts.values()} == {name[: -len(".jsonl")] + f"+host-{w}-{100 + i}.jsonl"
+                                                for i, w in enumerate("abc")}  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in parts.values())
+    # Each part holds only its writer's lines, in its commit order.
+    assert [t.turn_id for t in read_session_file(parts["a"]).turns] == [0, 2, 4]
+    assert [t.turn_id for t in read_session_file(parts["b"]).turns] == [1, 3, 5]
+
+    assert session_parts(tmp_path) == {name: sorted(parts.values())}
+    for session in (read_session(tmp_path, session_id), *iter_session_files(tmp_path)):
+        assert session is not None and sorted(session.paths) == sorted(parts.values())
+        assert [t.turn_id for t in session.turns] == [0, 1, 2, 3, 4, 5]
+        position = {t.turn_id: i for i, t in enumerate(session.turns)}
+        assert all(position[t.parent_turn_id] < position[t.turn_id] for t in session.turns if t.parent_turn_id)
+        assert session.full_ids() == expected_ids()
+        assert [c.reason for c in session.closes] == ["shutdown"] and session.skipped_lines == []
+        assert sorted(t.turn_id for leaf in session.branches() for t in leaf[-1:]) == [3, 4, 5]
+    assert len(list(iter_session_files(tmp_path))) == 1
+    assert read_session(tmp_path, session_id + "-other") is None
+    assert read_session(tmp_path / "missing", session_id) is None
+
+
+def test_a_writerless_file_and_writer_parts_are_one_session(tmp_path: Path) -> None:
+    plain, part = TrajectoryRecorder(tmp_path), TrajectoryRecorder(tmp_path, writer="w1")
+    assert plain.path_for("s") == tmp_path / "s.jsonl" and part.path_for("s") == tmp_path / "s+w1.jsonl"
+    for turn_id, name in COMMITS:
+        (plain if name == "a" else part).write_turn(turn("s", turn_id))
+    TrajectoryRecorder(tmp_path, writer="w0").write_turn(turn("other", 0))
+    assert session_parts(tmp_path) == {
+        "other.jsonl": [tmp_path / "other+w0.jsonl"],
+        "s.jsonl": [tmp_path / "s.jsonl", tmp_path / "s+w1.jsonl"],  # the writer-less file first
+    }
+    session = read_session(tmp_path, "s")
+    assert session is not None and session.path == tmp_path / "s.jsonl" and session.full_ids() == expected_ids()
+    assert [f.turns[0].session_id for f in iter_session_files(tmp_path)] == ["other", "s"]
+
+
+def test_a_torn_line_in_one_part_is_skipped_and_counted(tmp_path: Path) -> None:
+    writers = record(tmp_path, "s")
+    torn = writers["b"].path_for("s")
+    with torn.open("ab") as handle:  # a crash mid-write: half a line, no newline
+        handle.write(turn("s", 5).dump_line().encode()[:50])
+    writers["b"].close_session("s", turns=3, reason="idle")  # the next line of that writer stays whole
+    session = read_session(tmp_path, "s")
+    assert session is not None
+    assert session.skipped == [(torn, 4)] and session.skipped_lines == [4]
+    assert session.full_ids() == expected_ids()
+    assert [c.reason for c in session.closes] == ["shutdown", "idle"]  # by time: the later close last
+    result = cli("show", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{torn}: skipping unreadable line 4" in result.stderr
+    assert len(result.stdout.splitlines()) == len(TREE)
+
+
+def test_a_turn_id_in_two_parts_is_a_record_error(tmp_path: Path) -> None:
+    writers = record(tmp_path, "s")
+    writers["c"].write_turn(turn("s", 2))  # a second writer claims turn 2
+    with pytest.raises(RecordError, match=r"turn id 2 appears in both .*\+host-a-100\.jsonl and .*\+host-c-102"):
+        read_session(tmp_path, "s")
+    with pytest.raises(RecordError, match="turn id 2 appears in both"):
+        list(iter_session_files(tmp_path))
+    result = cli("show", str(tmp_path))
+    assert result.returncode == 2 and "turn id 2 appears in both" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_parent_names_every_part(tmp_path: Path) -> None:
+    TrajectoryRecorder(tmp_path, writer="w1").write_turn(turn("s", 0))
+    TrajectoryRecorder(tmp_path, writer="w2").write_turn(turn("s", 2))  # its parent, turn 1, was never written
+    session = read_session(tmp_path, "s")
+    assert session is not None
+    with pytest.raises(RecordError, match=r"s\+w1\.jsonl \(and 1 more part\): turn 2 extends turn 1"):
+        session.full_ids()
+
+
+@pytest.mark.parametrize("writer", ["", "a/b", "..", ".", "a+b", "a.b", "-a", "_a", "a b", "a\x00", "x" * 65, "é"])
+def test_a_writer_id_that_could_escape_or_confuse_the_layout_is_refused(tmp_path: Path, writer: str) -> None:
+    with pytest.raises(ValueError, match="writer id"):
+        TrajectoryRecorder(tmp_path, writer=writer)
+    assert not list(tmp_path.iterdir())
+
+
+def test_default_writer_ids_are_valid_and_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = {default_writer_id() for _ in range(20)}
+    assert len(ids) == 20 and all(WRITER_ID.fullmatch(w) for w in ids)
+    assert all(f"-{os.getpid()}-" in w for w in ids)
+    for host in ["../../etc", "node 1.cluster.local", "+", "", "ü" * 80, "a" * 200]:
+        monkeypatch.setattr("socket.gethostname", lambda host=host: host)
+        writer = default_writer_id()
+        assert WRITER_ID.fullmatch(writer) and "." not in writer and "/" not in writer, writer
+    monkeypatch.setattr("socket.gethostname", lambda: "node-1.cluster.local")
+    assert default_writer_id().startswith(f"node-1-cluster-local-{os.getpid()}-")
+
+
+def test_the_cli_shows_and_exports_one_session_from_both_writers(tmp_path: Path) -> None:
+    record_dir = tmp_path / "rec"
+    record(record_dir, "agent-7")
+    result = cli("show", str(record_dir), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["turn_id"] for r in rows] == [0, 1, 2, 3, 4, 5] and {r["session_id"] for r in rows} == {"agent-7"}
+    assert {r["turn_id"]: (r["prompt_ids"], r["completion_ids"]) for r in rows} == expected_ids()
+    result = cli("show", str(record_dir))
+    assert result.returncode == 0 and "6 turns, closed (shutdown)" in result.stdout
+    assert "and 2 more parts" in result.stdout
+
+    out = tmp_path / "out.parquet"
+    result = cli("export", str(record_dir), str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "3 branches from 1 sessions" in result.stdout
+    import pyarrow.parquet as pq
+
+    exported = pq.read_table(out).to_pylist()
+    assert {r["session_id"] for r in exported} == {"agent-7"}
+    assert sorted(r["turn_ids"] for r in exported) == [[0, 1, 2, 4], [0, 1, 2, 5], [0, 3]]
+    ids = expected_ids()
+    for row in exported:
+        leaf = row["leaf_turn_id"]
+        assert row["input_ids"] == ids[leaf][0] + ids[leaf][1]
+
+
+def test_replay_answers_a_turn_whose_parent_another_writer_recorded(tmp_path: Path) -> None:
+    record(tmp_path, "agent-7")
+    index = ReplayIndex.load(tmp_path)
+    assert index.turns == len(TREE)
+    # Turn 2 (writer a) extends turn 1 (writer b), which extends turn 0 (writer a).
+    history = []
+    for turn_id in (0, 1):
+        history += [{"role": "user", "content": f"question {turn_id}"}]
+        history += [{"role": "assistant", "content": f"answer {turn_id}"}]
+    messages = [ChatMessage.model_validate(m) for m in [*history, {"role": "user", "content": "question 2"}]]
+    answer = index.answer(messages)
+    assert isinstance(answer, TurnRecord), answer
+    assert (answer.session_id, answer.turn_id, answer.parent_turn_id) == ("agent-7", 2, 1)
+    # Turn 1 itself, whose parent is in the other part.
+    answer = index.answer(messages[:3])
+    assert isinstance(answer, TurnRecord) and answer.turn_id == 1
