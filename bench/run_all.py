@@ -10,6 +10,7 @@ P2  concurrency: 256 agents x 10 turns, 100 ms backend latency: turns/s and p50/
     vs plain mitmdump passthrough vs direct, and with N mitmdump processes (bench/concurrency.py).
 P3  memory per stored token: 1,000 sessions x 20k tokens in the session tree (ids only; logprobs live on disk).
 P4  recording bytes per token for the N-turn session, vs the trajectory's own size (its final ids + logprobs).
+P1s, P2f  the shared session store (Redis) against `memory`, and 1-3 proxies behind HAProxy (bench/fleet_bench.py).
 """
 
 from __future__ import annotations
@@ -329,7 +330,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", default="p1,p2,p3,p5", help="comma-separated: p1 (with p4), p2, p3, p5")
+    parser.add_argument(
+        "--only", default="p1,p2,p3,p5,p1s,p2f", help="comma-separated: p1 (with p4), p2, p3, p5, p1s, p2f"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -348,6 +351,17 @@ def main() -> int:
         from agent_apis import p5
 
         results["p5"] = p5()
+    if "p1s" in only:
+        from fleet_bench import p1_store
+
+        backend = Backend()
+        results["p1_store"] = p1_store(
+            args.turns, args.repeats, TOKENIZER, backend.url, run_session, conversation, window
+        )
+    if "p2f" in only:
+        from fleet_bench import p2_fleet
+
+        results["p2_fleet"] = p2_fleet(TOKENIZER)
     args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     return 0

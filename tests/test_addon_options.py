@@ -33,6 +33,9 @@ def configured(tctx, addon, **options):
         ({"tito_backend_url": "ftp://x"}, "http"),
         ({"tito_tokenizer": "/nonexistent/tokenizer-dir"}, "cannot load tokenizer"),
         ({"tito_model_family": "default"}, "tito_model_family=qwen3"),
+        ({"tito_session_store": "localhost:6379"}, "tito_session_store: must be memory or a Redis URL"),
+        ({"tito_session_store": "http://localhost:6379"}, "Redis URL"),
+        ({"tito_session_store": "redis://"}, "Redis URL"),
     ],
 )
 def test_invalid_options_raise_options_error(options, needle) -> None:

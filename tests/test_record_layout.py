@@ -217,3 +217,20 @@ def test_replay_answers_a_turn_whose_parent_another_writer_recorded(tmp_path: Pa
     # Turn 1 itself, whose parent is in the other part.
     answer = index.answer(messages[:3])
     assert isinstance(answer, TurnRecord) and answer.turn_id == 1
+
+
+def test_a_withdrawn_turn_is_left_out_but_its_id_stays_used(tmp_path: Path) -> None:
+    """A turn whose commit to the shared store failed is withdrawn by a later line of its writer: readers leave it
+    out (the agent got an error, not it), and its id is never handed out again."""
+    writers = record(tmp_path, "s")
+    leaf = max(TREE)  # a leaf: nothing extends it
+    extra = turn("s", leaf)
+    extra.turn_id = leaf + 10
+    writers["a"].write_turn(extra)
+    writers["a"].withdraw_turn("s", leaf + 10, "its commit to the session store failed")
+    session = read_session(tmp_path, "s")
+    assert session is not None and [t.turn_id for t in session.turns] == sorted(TREE)
+    assert session.full_ids() == expected_ids() and session.skipped == []
+    assert session.highest_turn_id == leaf + 10
+    result = cli("show", str(tmp_path), "--json")
+    assert result.returncode == 0 and len(result.stdout.splitlines()) == len(TREE), result.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The Redis session tree against a real redis-server on loopback: concurrent claims never share a turn id, a GRPO
 group's identical first requests join one automatic session, commits are found by their path digests in one round
-trip, turns round-trip exactly and are served from cache once read, and a store that is gone is a clear error."""
+trip, turns round-trip exactly and are served from a proxy's cache once read, a session closes once (never while a
+turn is in flight) and its turn ids are never reused, and a store that is gone is a clear error."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from tito_addon.sessions.path_keys import ROOT, extend
-from tito_addon.sessions.redis_tree import RedisTree, StoreUnavailable
+from tito_addon.sessions.redis_tree import NewTurn, RedisTree, SessionGone, StoreUnavailable
+from tito_addon.sessions.session_ids import automatic_session_id
+from tito_addon.sessions.shared_sessions import SharedSessions
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
@@ -60,12 +63,27 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
+def now() -> int:
+    return int(time.time() * 1000)
+
+
+async def claim(t: RedisTree, sid, ns="ns", prompt=b"", fresh="unused", **kw) -> tuple[str, int]:
+    return await t.claim(sid, ns, prompt, fresh, now_ms=now(), busy_until_ms=now() + 60_000, **kw)
+
+
+def new_turn(sid: str, turn: int, *, automatic: bool, keys, path: bytes, parent=None, chain=(), end=2, **kw):
+    fields = dict(reasoning=None, added_ids=[1], completion_ids=[2], finish_reason="stop")
+    fields.update(kw)
+    return NewTurn(session_id=sid, turn_id=turn, automatic=automatic, namespace="ns", parent_turn_id=parent,
+                   chain=chain, message_end=end, segment_keys=tuple(keys), path=path, **fields)  # fmt: skip
+
+
 def test_concurrent_claims_on_one_session_never_share_a_turn_id(redis_url) -> None:
     prefix = uuid.uuid4().hex
 
     async def scenario() -> list[int]:
         proxies = [tree(redis_url, prefix) for _ in range(4)]  # four clients: four "proxies"
-        claims = [p.claim("team/run-1", "ns", b"", "unused") for p in proxies for _ in range(32)]
+        claims = [claim(p, "team/run-1") for p in proxies for _ in range(32)]
         return [turn for _, turn in await asyncio.gather(*claims)]
 
     assert sorted(run(scenario())) == list(range(128))
@@ -77,8 +95,8 @@ def test_identical_first_requests_join_one_automatic_session(redis_url) -> None:
 
     async def scenario() -> list[tuple[str, int]]:
         proxies = [tree(redis_url, prefix) for _ in range(4)]
-        claims = [p.claim(None, "ns", prompt, uuid.uuid4().hex) for p in proxies for _ in range(4)]
-        other = await proxies[0].claim(None, "other-model", prompt, uuid.uuid4().hex)
+        claims = [claim(p, None, prompt=prompt, fresh=automatic_session_id()) for p in proxies for _ in range(4)]
+        other = await claim(proxies[0], None, ns="other-model", prompt=prompt, fresh=automatic_session_id())
         return [*await asyncio.gather(*claims), other]
 
     claimed = run(scenario())
@@ -96,35 +114,120 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
 
     async def scenario():
         writer, reader = tree(redis_url, prefix), tree(redis_url, prefix)
-        sid, turn0 = await writer.claim(None, "ns", first_path, uuid.uuid4().hex)
-        await writer.commit(sid, turn0, automatic=True, namespace="ns", parent_turn_id=None, message_end=2,
-                            segment_keys=tuple(keys[:2]), reasoning="think", added_ids=big, completion_ids=[7, 8],
-                            finish_reason="tool_calls", path=first_path, reply_id="resp_a")  # fmt: skip
+        sid, turn0 = await claim(writer, None, prompt=extend(ROOT, keys[:1]), fresh=automatic_session_id())
+        await writer.commit(new_turn(sid, turn0, automatic=True, keys=keys[:2], path=first_path, reasoning="ab" * 16,
+                                     added_ids=big, completion_ids=[7, 8], finish_reason="tool_calls",
+                                     reply_id="resp_a"), now_ms=now())  # fmt: skip
         for _ in range(2):  # a retry: two siblings on the same path
-            _, turn = await writer.claim(sid, "ns", b"", "unused")
-            await writer.commit(sid, turn, automatic=True, namespace="ns", parent_turn_id=turn0, message_end=4,
-                                segment_keys=tuple(keys[2:]), reasoning=None, added_ids=[9], completion_ids=[10],
-                                finish_reason="stop", path=second_path, template_kwargs={"x": 1})  # fmt: skip
-        found = await reader.lookup(None, "ns", [first_path, second_path, extend(ROOT, keys[:3])])
-        node = await reader.node(sid, turn0)
+            _, turn = await claim(writer, sid, parent_turn_id=turn0, create=False)
+            await writer.commit(new_turn(sid, turn, automatic=True, keys=keys[2:], path=second_path, parent=turn0,
+                                         chain=(turn0,), end=4, added_ids=[9], completion_ids=[10],
+                                         template_kwargs={"x": 1}), now_ms=now())  # fmt: skip
+        state, found = await reader.lookup(None, "ns", [first_path, second_path, extend(ROOT, keys[:3])])
+        node = await reader.node(sid, 2)
+        shared = SharedSessions(reader)
         calls = []
-        original = reader.client.hgetall
-        reader.client.hgetall = lambda *a, **k: calls.append(a) or original(*a, **k)
-        again = await reader.node(sid, turn0)
-        calls_for_node = list(calls)
-        return sid, found, node, again, calls_for_node, await reader.by_reply("resp_a"), await reader.meta(sid)
+        original = reader.client.pipeline
+        reader.client.pipeline = lambda *a, **k: calls.append(a) or original(*a, **k)
+        first = await shared.hydrate([(sid, 2)], True, "ns")
+        again = await shared.hydrate([(sid, 2)], True, "ns")
+        return (
+            sid,
+            state,
+            found,
+            node,
+            first,
+            again,
+            len(calls),
+            await reader.by_reply("resp_a"),
+            await reader.meta(sid),
+        )
 
-    sid, found, node, again, calls, reply, meta = run(scenario())
+    sid, state, found, node, first, again, calls, reply, meta = run(scenario())
+    assert state is None
     assert found == [[(sid, 0)], [(sid, 1), (sid, 2)], []]
-    assert list(node.added_ids) == big and list(node.completion_ids) == [7, 8]
-    assert node.segment_keys == tuple(keys[:2]) and node.message_end == 2 and node.parent_turn_id is None
-    assert node.reasoning is not None and node.finish_reason == "tool_calls" and node.reply_id == "resp_a"
-    assert again is node and calls == [], "a committed turn is read once"
+    assert list(node.added_ids) == [9] and node.parent_turn_id == 0 and node.chain == (0,)
+    assert node.template_kwargs == {"x": 1} and node.message_end == 4 and node.segment_keys == tuple(keys[2:])
+    mirror = first[(sid, 2)]
+    assert mirror.parent is not None and list(mirror.parent.added_ids) == big, "ancestors come with the turn"
+    assert mirror.full_ids() == [*big, 7, 8, 9, 10] and mirror.path == second_path
+    assert mirror.parent.segment_reasoning[-1] == "ab" * 16 and mirror.parent.finish_reason == "tool_calls"
+    assert again[(sid, 2)] is mirror and calls == 2, "a turn and its ancestors: two round trips, then none"
     assert reply == (sid, 0)
     assert meta["turns"] == "3" and meta["tokens"] == str(4 + 2 + 2 + 2) and meta["automatic"] == "1"
 
 
+def test_a_session_closes_once_never_while_busy_and_never_reuses_a_turn_id(redis_url) -> None:
+    prefix = uuid.uuid4().hex
+    keys = [os.urandom(16) for _ in range(2)]
+    path = extend(ROOT, keys)
+
+    async def scenario():
+        a, b = tree(redis_url, prefix), tree(redis_url, prefix)
+        sid, t0 = await claim(a, "named")
+        await a.commit(new_turn(sid, t0, automatic=False, keys=keys, path=path, reply_id="resp_n"), now_ms=now())
+        _, busy = await claim(a, "named", parent_turn_id=t0)  # in flight: not closable
+        refused = await b.close("named", now_ms=now(), idle_before_ms=None)
+        await a.commit(new_turn(sid, busy, automatic=False, keys=keys, path=extend(path, keys), parent=t0,
+                                chain=(t0,), end=4), now_ms=now())  # fmt: skip
+        closes = await asyncio.gather(*(p.close("named", now_ms=now(), idle_before_ms=None) for p in (a, b, a, b)))
+        after_close = await b.lookup("named", "", [path]), await b.by_reply("resp_n"), await b.node(sid, t0)
+        with pytest.raises(SessionGone):
+            await claim(b, "named", create=False)
+        _, reopened = await claim(b, "named")
+        # A claim whose proxy died: in flight until its deadline, then abandoned (here: already past).
+        auto_sid, _ = await a.claim(
+            None, "ns", b"p" * 16, automatic_session_id(), now_ms=now(), busy_until_ms=now() - 1
+        )
+        assert await a.close(auto_sid, now_ms=now(), idle_before_ms=None) == 0
+        with pytest.raises(SessionGone):
+            await claim(b, auto_sid, create=False)
+        return refused, closes, after_close, reopened
+
+    refused, closes, (lookup, reply, node), reopened = run(scenario())
+    assert refused is None, "a session with a turn in flight stays open"
+    assert sorted(closes, key=str) == [2, None, None, None], "one proxy closes it (and writes its close line)"
+    assert lookup == ("1", [[]]) and reply is None and node is None, "its turns and indexes are gone"
+    assert reopened == 2, "a resumed session continues its turn ids"
+
+
+def test_a_closed_named_session_is_restored_once(redis_url) -> None:
+    prefix = uuid.uuid4().hex
+    keys = [os.urandom(16) for _ in range(4)]
+
+    async def scenario():
+        a, b = tree(redis_url, prefix), tree(redis_url, prefix)
+        nodes = [
+            make_stored("r", 0, None, keys[:2], (), [1, 2], [3]),
+            make_stored("r", 3, 0, keys[2:], (0,), [4], [5, 6]),
+        ]
+        paths = [extend(ROOT, keys[:2]), extend(ROOT, keys)]
+        done = await asyncio.gather(*(p.restore("r", nodes, paths, now_ms=now(), next_at_least=5) for p in (a, b)))
+        state, found = await a.lookup("r", "", paths)
+        _, turn = await claim(b, "r", parent_turn_id=3)
+        return done, state, found, turn, await a.node("r", 3), await a.meta("r")
+
+    done, state, found, turn, node, meta = run(scenario())
+    assert sorted(done) == [False, True], "restored by one proxy"
+    assert state == "0" and found == [[("r", 0)], [("r", 3)]]
+    assert turn == 5, "turn ids continue after the recorded ones (and torn lines)"
+    assert list(node.added_ids) == [4] and node.chain == (0,) and node.parent_turn_id == 0
+    assert meta["turns"] == "2" and meta["tokens"] == "6"
+
+
+def make_stored(sid, turn, parent, keys, chain, added, completion):
+    from array import array
+
+    from tito_addon.sessions.redis_tree import StoredNode
+
+    return StoredNode(session_id=sid, turn_id=turn, parent_turn_id=parent, message_end=2 * (len(chain) + 1),
+                      segment_keys=tuple(keys), reasoning=None, added_ids=array("I", added),
+                      completion_ids=array("I", completion), finish_reason="stop", tools_sha256=None,
+                      template_kwargs=None, reply_id=None, chain=chain)  # fmt: skip
+
+
 def test_a_store_that_is_gone_is_a_clear_error() -> None:
     gone = tree(f"redis://127.0.0.1:{free_port()}/0", "x")
-    with pytest.raises(StoreUnavailable, match="session store failed"):
-        run(gone.claim("s", "ns", b"", "unused"))
+    with pytest.raises(StoreUnavailable, match="session store") as raised:
+        run(claim(gone, "s"))
+    assert raised.value.status == 503

@@ -31,11 +31,13 @@ from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
+from tito_addon.proxy.shared_store import SharedStore
 from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_models import TurnRecord
-from tito_addon.records.record_reader import read_session_file
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+from tito_addon.records.record_reader import read_session
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder, default_writer_id
 from tito_addon.sessions.session_tree import SessionStore
+from tito_addon.sessions.shared_sessions import SharedSessions
 from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.turns.turn_service import TurnService, strip_session_prefix
 
@@ -66,6 +68,8 @@ class TitoAddon:
         self._turns: dict[str, set[asyncio.Task[HttpReply]]] = {}
         self.regenerator: TrajectoryRecorder | None = None
         self._regenerated: dict[str, set[int]] = {}
+        self.shared_store: SharedStore | None = None
+        self.writer_id = default_writer_id()
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -135,6 +139,13 @@ class TitoAddon:
             "share it. Empty: a key kept in the record dir (.tito-signing-key, made on first use).",
         )
         loader.add_option(
+            "tito_session_store",
+            str,
+            "memory",
+            "Where sessions live: memory (this process) or a Redis URL (redis://HOST:PORT/DB, rediss://…, unix://…) "
+            "shared by every proxy that names it, so any of them serves any turn of any session.",
+        )
+        loader.add_option(
             "tito_max_sessions",
             int,
             10000,
@@ -174,6 +185,7 @@ class TitoAddon:
                 session_idle_timeout=opts.tito_session_idle_timeout,
                 max_sessions=opts.tito_max_sessions,
                 signing_key=opts.tito_signing_key,
+                session_store=opts.tito_session_store,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -187,24 +199,41 @@ class TitoAddon:
         self.store.idle_timeout = settings.session_idle_timeout
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
+        shared = self._shared_sessions(settings)
         self.settings = settings
         self.engine = engine
         self.service = TurnService(
             engine,
             make_backend(settings.backend_kind, self.client, verify_echo=settings.verify_prompt_echo),
             self.store,
-            TrajectoryRecorder(settings.record_dir),
+            # With a shared store several processes write turns of one session: each its own part of the file.
+            TrajectoryRecorder(settings.record_dir, writer=self.writer_id if shared is not None else None),
             session_header=settings.session_header,
             prefixes=self.prefixes,
             record_message_text=settings.record_message_text,
             signer=self._signer(settings),
+            shared=shared,
         )
         logger.info(
-            "tito: %s backend, tokenizer %s, family %s, recording to %s",
+            "tito: %s backend, tokenizer %s, family %s, recording to %s, sessions in %s",
             settings.backend_kind,
             settings.tokenizer,
             settings.model_family,
             settings.record_dir,
+            "this process" if shared is None else f"Redis (writer {self.writer_id})",
+        )
+
+    def _shared_sessions(self, settings: TitoSettings) -> SharedSessions | None:
+        if settings.session_store == "memory":
+            return None
+        if self.shared_store is None or self.shared_store.url != settings.session_store:
+            old, self.shared_store = self.shared_store, SharedStore(settings.session_store)
+            if old is not None:
+                asyncio_utils.create_task(old.close(), name="tito-close-store", keep_ref=True)
+        return self.shared_store.configure(
+            idle_timeout=settings.session_idle_timeout,
+            max_sessions=settings.max_sessions,
+            upstream_timeout=settings.upstream_timeout,
         )
 
     @staticmethod
@@ -244,7 +273,9 @@ class TitoAddon:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             if self.service is not None:
                 try:
-                    self.service.sweep()
+                    await self.service.sweep_async()
+                except TitoError as error:
+                    logger.warning("tito: session sweep failed: %s", error.message)
                 except Exception:
                     logger.exception("tito: session sweep failed")
 
@@ -358,8 +389,8 @@ class TitoAddon:
             return
         known = self._regenerated.get(turn.session_id)
         if known is None:
-            path = recorder.path_for(turn.session_id)
-            known = {t.turn_id for t in read_session_file(path).turns} if path.is_file() else set()
+            recorded = read_session(recorder.record_dir, turn.session_id)
+            known = {t.turn_id for t in recorded.turns} if recorded is not None else set()
             self._regenerated[turn.session_id] = known
         if turn.turn_id not in known:
             recorder.write_turn(turn)
@@ -406,9 +437,11 @@ class TitoAddon:
             self._sweeper.cancel()
             self._sweeper = None
         if self.service is not None:
-            self.service.close_all("shutdown")
+            self.service.close_all("shutdown")  # this process's own sessions; shared ones live on in Redis
         try:
             asyncio_utils.create_task(self.live.stop(), name="tito-stop-live", keep_ref=True)
             asyncio_utils.create_task(self.client.close(), name="tito-close-upstream", keep_ref=True)
+            if self.shared_store is not None:
+                asyncio_utils.create_task(self.shared_store.close(), name="tito-close-store", keep_ref=True)
         except RuntimeError:
             pass  # no running loop: the process is exiting anyway

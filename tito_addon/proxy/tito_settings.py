@@ -12,6 +12,7 @@ from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, FORBIDDEN_KWARGS
 
 BACKEND_KINDS = ("sglang", "vllm")
+STORE_SCHEMES = ("redis", "rediss", "unix")
 
 
 class TitoSettings(BaseModel):
@@ -34,6 +35,18 @@ class TitoSettings(BaseModel):
     session_idle_timeout: float = 1800.0
     max_sessions: int = 10000
     signing_key: str = ""  # "": a key kept in the record dir
+    session_store: str = "memory"  # or a Redis URL: sessions shared by every proxy that names it
+
+    @field_validator("session_store")
+    @classmethod
+    def _store(cls, value: str) -> str:
+        value = value.strip() or "memory"
+        if value == "memory":
+            return value
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in STORE_SCHEMES or not rest:
+            raise ValueError(f"must be memory or a Redis URL ({', '.join(s + '://…' for s in STORE_SCHEMES)})")
+        return value
 
     @field_validator("signing_key")
     @classmethod

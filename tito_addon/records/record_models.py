@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TURN_SCHEMA = "tito.turn.v1"
 CLOSE_SCHEMA = "tito.session_close.v1"
+WITHDRAWN_SCHEMA = "tito.turn_withdrawn.v1"
 
 
 class TokenizerInfo(BaseModel):
@@ -107,4 +108,15 @@ class SessionCloseRecord(BaseModel):
     session_id: str
     turns: int
     reason: Literal["idle", "evicted", "shutdown"]
+    ts: float
+
+
+class TurnWithdrawnRecord(BaseModel):
+    """A turn written to disk whose commit to the shared session store then failed: the agent got an error, not this
+    turn, so readers leave it out (its id is never reused)."""
+
+    schema_: Literal["tito.turn_withdrawn.v1"] = Field(default=WITHDRAWN_SCHEMA, alias="schema")
+    session_id: str
+    turn_id: int
+    reason: str
     ts: float

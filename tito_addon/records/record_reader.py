@@ -18,7 +18,14 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatMessage
-from tito_addon.records.record_models import CLOSE_SCHEMA, TURN_SCHEMA, SessionCloseRecord, TurnRecord
+from tito_addon.records.record_models import (
+    CLOSE_SCHEMA,
+    TURN_SCHEMA,
+    WITHDRAWN_SCHEMA,
+    SessionCloseRecord,
+    TurnRecord,
+    TurnWithdrawnRecord,
+)
 from tito_addon.records.trajectory_recorder import SUFFIX, WRITER_ID, WRITER_SEPARATOR, session_file_name
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_tree import Session, SessionStore, TurnNode
@@ -40,6 +47,18 @@ class SessionFile:
     # (part, line number) of every unreadable line; each may have held a turn id that must never be reused.
     skipped: list[tuple[Path, int]] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
+    # Turns written whose commit to the shared store failed: the agent got an error, not them (left out of `turns`).
+    withdrawn: list[TurnWithdrawnRecord] = field(default_factory=list)
+
+    def drop_withdrawn(self) -> None:
+        gone = {w.turn_id for w in self.withdrawn}
+        if gone:
+            self.turns = [t for t in self.turns if t.turn_id not in gone]
+
+    @property
+    def highest_turn_id(self) -> int:
+        """The highest turn id this session's record has used (withdrawn ones too), -1 when none."""
+        return max([t.turn_id for t in self.turns] + [w.turn_id for w in self.withdrawn], default=-1)
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -106,6 +125,8 @@ def read_session_file(path: Path) -> SessionFile:
                 result.turns.append(TurnRecord.model_validate(obj))
             elif schema == CLOSE_SCHEMA:
                 result.closes.append(SessionCloseRecord.model_validate(obj))
+            elif schema == WITHDRAWN_SCHEMA:
+                result.withdrawn.append(TurnWithdrawnRecord.model_validate(obj))
             else:
                 raise ValueError(f"unknown schema {schema!r}")
         except (ValueError, ValidationError) as exc:
@@ -117,6 +138,7 @@ def read_session_file(path: Path) -> SessionFile:
         if turn.turn_id in seen:
             raise RecordError(f"{path}: turn id {turn.turn_id} appears twice")
         seen.add(turn.turn_id)
+    result.drop_withdrawn()
     return result
 
 
@@ -159,6 +181,7 @@ def merge_parts(paths: list[Path]) -> SessionFile:
         merged.turns += part.turns
         merged.closes += part.closes
         merged.skipped += part.skipped
+        merged.withdrawn += part.withdrawn
     merged.turns.sort(key=lambda turn: turn.turn_id)
     merged.closes.sort(key=lambda close: close.ts)  # `closes[-1]` stays the latest, as in one file
     return merged

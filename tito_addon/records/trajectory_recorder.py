@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_models import SessionCloseRecord, TurnRecord
+from tito_addon.records.record_models import SessionCloseRecord, TurnRecord, TurnWithdrawnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,10 @@ class TrajectoryRecorder:
 
     def write_turn(self, record: TurnRecord, fields: dict[str, Any] | None = None) -> None:
         self._append(record.session_id, record.dump_line(fields))
+
+    def withdraw_turn(self, session_id: str, turn_id: int, reason: str) -> None:
+        record = TurnWithdrawnRecord(session_id=session_id, turn_id=turn_id, reason=reason, ts=time.time())
+        self._append(session_id, record.model_dump_json(by_alias=True))
 
     def close_session(self, session_id: str, turns: int, reason: str) -> None:
         record = SessionCloseRecord(session_id=session_id, turns=turns, reason=reason, ts=time.time())

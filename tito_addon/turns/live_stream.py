@@ -7,7 +7,7 @@ release to run however it ends, so the turn service keeps every state change in 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from tito_addon.backends.backend_protocol import BackendResult, StreamEnd
@@ -29,7 +29,7 @@ class LiveStream:
         first: dict[str, Any] | StreamEnd,
         responder: Responder,
         *,
-        commit: Callable[[BackendResult], tuple[dict[str, Any], TurnOutcome]],
+        commit: Callable[[BackendResult], Awaitable[tuple[dict[str, Any], TurnOutcome]]],
         release: Callable[[], None],
     ) -> None:
         self.events, self.first, self.responder = events, first, responder
@@ -46,7 +46,7 @@ class LiveStream:
             event: dict[str, Any] | StreamEnd = self.first
             while True:
                 if isinstance(event, StreamEnd):
-                    self.metadata, outcome = self.commit(event.result)
+                    self.metadata, outcome = await self.commit(event.result)
                     yield responder.stream_end(outcome, event.tail)
                     return
                 data = responder.stream_chunk(event)

@@ -8,13 +8,9 @@ backend answered, so a rejected or failed request leaves no trace in memory or o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 import secrets
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -28,23 +24,20 @@ from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.openai_responses import reply_session
 from tito_addon.protocols.routing import agent_apis, find_route
 from tito_addon.protocols.turn_refs import TurnSigner
-from tito_addon.records.record_models import SegmentSpan, TokenizerInfo, TurnRecord
-from tito_addon.records.record_reader import RecordError, read_session_file, rebuild_session
+from tito_addon.records.record_reader import RecordError, read_session, rebuild_session
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.sessions.message_keys import message_key
-from tito_addon.sessions.session_ids import session_id_problem
+from tito_addon.sessions.session_ids import automatic_session_id, session_id_problem
 from tito_addon.sessions.session_tree import Attachment, Session, SessionStore, TurnNode
+from tito_addon.sessions.shared_sessions import SharedSessions
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.turns.live_stream import LiveStream
+from tito_addon.turns.shared_turns import Claim, SharedTurns, attach_to_reply
+from tito_addon.turns.turn_record import completed_turn
 
 logger = logging.getLogger(__name__)
 
 SESSION_PREFIX = re.compile(r"^/sessions/[^/?#]+(?=/)")
-SAMPLING_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
-    "parallel_tool_calls", "reasoning_effort", "response_format",
-)  # fmt: skip
 # Never forwarded: hop-by-hop headers and those the upstream call sets itself.
 DROPPED_HEADERS = frozenset(
     {
@@ -68,13 +61,6 @@ def checked_session_id(value: str | None, where: str) -> str | None:
     return value
 
 
-def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
-    if not tools:
-        return None
-    canonical = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class PreparedTurn:
     """Everything decided before the backend call; nothing here has changed any state."""
@@ -92,7 +78,22 @@ class PreparedTurn:
     keys: list[Any]
     namespace: str
     # The id a new automatic session will get, known before the commit so a reply id can name it.
-    new_session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    new_session_id: str = field(default_factory=automatic_session_id)
+    # With a shared store: the digest of all the request's message keys (its GRPO group, when it is a first turn).
+    request_path: bytes = b""
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request, before it is placed in a session tree."""
+
+    route: Route
+    agent: AgentRequest
+    session_id: str | None
+    kwargs: dict[str, Any]
+    keys: list[Any]
+    reasonings: list[str | None]
+    namespace: str
 
 
 class TurnService:
@@ -107,7 +108,9 @@ class TurnService:
         prefixes: EncodedPrefixes | None = None,
         record_message_text: bool = True,
         signer: TurnSigner | None = None,
+        shared: SharedSessions | None = None,
     ) -> None:
+        """`shared`: sessions in a store several proxies share (Redis) instead of `store`, this process's own."""
         self.record_message_text = record_message_text
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
         # has none, so nothing is ever signed with a guessable one.
@@ -119,6 +122,7 @@ class TurnService:
         self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
         self.recorder = recorder
         self.session_header = session_header.lower()
+        self.shared = SharedTurns(shared, recorder) if shared is not None else None
 
     def route(self, path: str) -> Route | None:
         return find_route(self.apis, path)
@@ -136,6 +140,34 @@ class TurnService:
     def prepare(
         self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None
     ) -> PreparedTurn:
+        """Validate a request and decide its prompt, on this process's own session tree (`memory`)."""
+        if self.shared is not None:
+            raise RuntimeError("a shared session store is prepared with prepare_async")
+        parsed = self._parse(path, headers, body, base_url, route)
+        if parsed.session_id is not None and parsed.session_id not in self.store.sessions:
+            self.restore(parsed.session_id)
+        if parsed.agent.previous_response_id is not None:
+            attachment = self.continued(parsed.agent.previous_response_id, parsed.session_id)
+        else:
+            attachment = self.store.locate(parsed.session_id, parsed.keys, parsed.reasonings, parsed.namespace)
+        return self._place(parsed, attachment)
+
+    async def prepare_async(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None
+    ) -> PreparedTurn:
+        """`prepare`, wherever the sessions live: with a shared store the attachment is looked up in it."""
+        if self.shared is None:
+            return self.prepare(path, headers, body, base_url, route)
+        parsed = self._parse(path, headers, body, base_url, route)
+        if parsed.agent.previous_response_id is not None:
+            attachment = await self.shared.continued(parsed.agent.previous_response_id, parsed.session_id)
+            return self._place(parsed, attachment)
+        attachment, request_path = await self.shared.locate(parsed)
+        return self._place(parsed, attachment, request_path)
+
+    def _parse(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str, route: Route | None
+    ) -> ParsedRequest:
         route = route or self.route(path)
         if route is None:
             raise BadRequest(f"not an agent API path: {path}")
@@ -146,17 +178,18 @@ class TurnService:
         agent = route.api.parse(body, route.action)
         request = agent.chat
         self.backend.check_request(request)
-        if session_id is not None and session_id not in self.store.sessions:
-            self.restore(session_id)
         kwargs = self.engine.effective_kwargs(request.chat_template_kwargs, thinking=agent.thinking)
         messages = request.messages
         keys = [message_key(m) for m in messages]
         reasonings = [m.reasoning_text() if m.role == "assistant" else None for m in messages]
         namespace = f"{base_url} {request.model or ''}"
-        if agent.previous_response_id is not None:
-            attachment = self.continued(agent.previous_response_id, session_id)
-        else:
-            attachment = self.store.locate(session_id, keys, reasonings, namespace)
+        return ParsedRequest(route, agent, session_id, kwargs, keys, reasonings, namespace)
+
+    def _place(self, parsed: ParsedRequest, attachment: Attachment, request_path: bytes = b"") -> PreparedTurn:
+        """The prompt of a located request: a continuation of the turn it extends, or a fresh render."""
+        agent, kwargs = parsed.agent, parsed.kwargs
+        request = agent.chat
+        messages = request.messages
         parent = attachment.parent
         appended = messages[attachment.matched :]
         if agent.previous_response_id is not None and (
@@ -182,8 +215,9 @@ class TurnService:
             piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
         prompt = PromptIds(parent, piece.ids, self.prefixes)
         return PreparedTurn(
-            route, agent, request, session_id, attachment, parent, appended, piece, prompt, kwargs, keys, namespace
-        )
+            parsed.route, agent, request, parsed.session_id, attachment, parent, appended, piece, prompt, kwargs,
+            parsed.keys, parsed.namespace, request_path=request_path,
+        )  # fmt: skip
 
     def continued(self, reply_id: str, session_id: str | None) -> Attachment:
         """Where a request that names a previous reply attaches: that reply's turn, found in the live tree or,
@@ -194,25 +228,27 @@ class TurnService:
             if named is not None and named not in self.store.sessions and session_id_problem(named) is None:
                 self.restore(named)
                 node = self.store.replies.get(reply_id)
-        if node is None:
-            raise TitoError(f"previous response {reply_id!r} is not a turn this proxy has recorded", status=404)
-        if session_id is not None and node.session.session_id != session_id:
-            raise BadRequest(f"previous response {reply_id!r} belongs to another session than {session_id!r}")
-        return Attachment(node.session, node, node.message_end)
+        return attach_to_reply(node, reply_id, session_id)
 
     async def _handle(self, route: Route, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
         self.sweep()
-        prepared = self.prepare("", headers, body, base_url, route)
+        prepared = await self.prepare_async("", headers, body, base_url, route)
         if route.action == "count_tokens":
             # The exact prompt length this turn would have: our own render, nothing forwarded or recorded.
             return json_reply(200, route.api.count_tokens_body(len(prepared.prompt)))
-        busy = prepared.attachment.session
+        claim = await self.claim(prepared)
+        busy = prepared.attachment.session if claim is None else None
         if busy is not None:
             busy.inflight += 1  # protects it from eviction while the backend works
         try:
-            return await self._run(prepared, headers, base_url)
+            return await self._run(prepared, headers, base_url, claim)
         finally:
             self._release(busy)
+
+    async def claim(self, prepared: PreparedTurn) -> Claim | None:
+        """With a shared store: the session and turn id the turn will have, claimed before the backend runs (so
+        no proxy closes the session meanwhile). None with `memory`, where the commit decides both."""
+        return await self.shared.claim(prepared) if self.shared is not None else None
 
     def backend_turn(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> BackendTurn:
         chat_body = dict(prepared.agent.chat_body)
@@ -222,9 +258,9 @@ class TurnService:
             base_url, prepared.route.chat_path, chat_body, prepared.prompt, forward, self.engine.stop_texts
         )
 
-    def responder(self, prepared: PreparedTurn) -> Responder:
+    def responder(self, prepared: PreparedTurn, claim: Claim | None = None) -> Responder:
         api = prepared.route.api
-        session = prepared.attachment.session
+        session = prepared.attachment.session if claim is None else claim.session
         known = session.session_id if session is not None else (prepared.session_id or prepared.new_session_id)
         reply_id = api.reply_id(known) or ""
         if api.signs:
@@ -235,13 +271,28 @@ class TurnService:
         context = ReplyContext(reply_id=reply_id, prompt_tokens=len(prepared.prompt), signer=self.signer)
         return api.responder(prepared.agent, context)
 
-    def finish(
-        self, prepared: PreparedTurn, result: BackendResult, headers: dict[str, str], responder: Responder
+    async def finish(
+        self,
+        prepared: PreparedTurn,
+        result: BackendResult,
+        headers: dict[str, str],
+        responder: Responder,
+        claim: Claim | None = None,
     ) -> tuple[dict[str, Any], TurnOutcome]:
         """Commit a turn the backend completed; the flow metadata that describes it, and what the agent gets."""
         result.message = responder.adapt(result.message)
-        node, fields = self.commit(prepared, result, headers.get("x-request-id"), responder.reply_id)
-        self.sweep()  # a new session may have taken the store past its capacity
+        request_id = headers.get("x-request-id")
+        if claim is None:
+            node, fields = self.commit(prepared, result, request_id, responder.reply_id)
+            self.sweep()  # a new session may have taken the store past its capacity
+        else:
+            assert self.shared is not None
+            done = completed_turn(
+                prepared, result, self.engine, self.backend.kind, session_id=claim.session.session_id,
+                turn_id=claim.turn_id, request_id=request_id, reply_id=responder.reply_id,
+                record_message_text=self.record_message_text,
+            )  # fmt: skip
+            node, fields = await self.shared.commit(prepared, done, result, claim), done.fields
         metadata = {
             "session_id": node.session.session_id,
             "turn_id": node.turn_id,
@@ -264,10 +315,12 @@ class TurnService:
         )
         return metadata, outcome
 
-    async def _run(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> HttpReply:
-        responder = self.responder(prepared)
+    async def _run(
+        self, prepared: PreparedTurn, headers: dict[str, str], base_url: str, claim: Claim | None = None
+    ) -> HttpReply:
+        responder = self.responder(prepared, claim)
         result = await self.backend.run_turn(self.backend_turn(prepared, headers, base_url))
-        metadata, outcome = self.finish(prepared, result, headers, responder)
+        metadata, outcome = await self.finish(prepared, result, headers, responder, claim)
         reply = responder.reply(outcome)
         reply.headers.update(outcome.headers)
         reply.metadata = metadata
@@ -284,14 +337,15 @@ class TurnService:
             return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
         try:
             self.sweep()
-            prepared = self.prepare(path, headers, body, base_url, route)
+            prepared = await self.prepare_async(path, headers, body, base_url, route)
             if route.action != "turn":
                 raise BadRequest(f"{route.action} does not stream")
+            claim = await self.claim(prepared)
+            responder = self.responder(prepared, claim)
         except TitoError as error:
             return error_reply(route.api, error)
-        responder = self.responder(prepared)
         events = self.backend.stream_turn(self.backend_turn(prepared, headers, base_url))
-        busy = prepared.attachment.session
+        busy = prepared.attachment.session if claim is None else None
         if busy is not None:
             busy.inflight += 1
         try:
@@ -306,7 +360,7 @@ class TurnService:
             events,
             first,
             responder,
-            commit=lambda result: self.finish(prepared, result, headers, responder),
+            commit=lambda result: self.finish(prepared, result, headers, responder, claim),
             release=lambda: self._release(busy),
         )
 
@@ -318,8 +372,8 @@ class TurnService:
     def commit(
         self, prepared: PreparedTurn, result: BackendResult, request_id: str | None, reply_id: str | None = None
     ) -> tuple[TurnNode, dict[str, Any]]:
-        """Write the record line, then add the node; returns the node and the line's fields. Synchronous, so no
-        other turn can interleave."""
+        """Write the record line, then add the node to this process's tree; returns the node and the line's
+        fields. Synchronous, so no other turn can interleave."""
         session = prepared.attachment.session
         if session is None and prepared.session_id is not None:
             session = self.store.sessions.get(prepared.session_id)
@@ -329,84 +383,39 @@ class TurnService:
             session = self.store.prompt_group(prepared.namespace, prepared.keys)
         if session is None:
             session = self.store.new_session(prepared.session_id, prepared.namespace, prepared.new_session_id)
-        assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
         parent = prepared.parent
-        appended_keys = prepared.keys[len(prepared.keys) - len(prepared.appended) :]
-        segment_keys = tuple(appended_keys) + (message_key(assistant),)
-        segment_reasoning = tuple(None for _ in prepared.appended) + (assistant.reasoning_text(),)
-        tools_sha = tools_digest(prepared.request.tools)
-        request = prepared.request
-        # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
-        dumped = request.model_dump(mode="json", include=set(SAMPLING_KEYS) & set(prepared.agent.chat_body))
-        sampling = {k: v for k, v in dumped.items() if v is not None}
-        record = TurnRecord(
-            session_id=session.session_id,
-            turn_id=session.next_turn_id,
-            parent_turn_id=parent.turn_id if parent else None,
-            ts=time.time(),
-            model=request.model,
-            backend_kind=self.backend.kind,
-            request_id=request_id,
-            sampling=sampling,
-            chat_template_kwargs=prepared.kwargs,
-            tools_sha256=tools_sha,
-            tools=request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
-            appended_messages=[m.model_dump(mode="json", exclude_none=True) for m in prepared.appended]
-            if self.record_message_text
-            else None,
-            appended_keys=None if self.record_message_text else [key.hex() for key in appended_keys],
-            api=prepared.route.api.name,
-            reply_id=reply_id or None,
-            appended_items=(prepared.agent.appended_items(len(prepared.keys) - len(prepared.appended)) or None)
-            if self.record_message_text
-            else None,
-            left_out=prepared.agent.dropped or None,
-            prompt_added_ids=prepared.piece.ids,
-            prompt_segments=[SegmentSpan(source=s.source, start=s.start, end=s.end) for s in prepared.piece.segments],
-            prompt_len=len(prepared.prompt),
-            completion_ids=result.completion_ids,
-            completion_logprobs=result.completion_logprobs,
-            assistant_message=result.message,
-            finish_reason=result.finish_reason,
-            ambiguous_parent=prepared.attachment.ambiguous and parent is not None,
-            render_skew=result.extra.get("render_skew"),
-            backend_version=result.extra.get("backend_version"),
-            tokenizer=TokenizerInfo(
-                name=self.engine.tokenizer_name,
-                tokenizer_sha256=self.engine.tokenizer_sha256,
-                template_sha256=self.engine.template_sha256,
-                family=self.engine.family.name,
-            ),
-        )
-        fields = record.line_fields()  # dumped once: for the line and for the flow metadata
+        done = completed_turn(
+            prepared, result, self.engine, self.backend.kind, session_id=session.session_id,
+            turn_id=session.next_turn_id, request_id=request_id, reply_id=reply_id,
+            record_message_text=self.record_message_text,
+        )  # fmt: skip
         if self.recorder is not None:
-            self.recorder.write_turn(record, fields)
+            self.recorder.write_turn(done.record, done.fields)
         node = self.store.commit(
             session,
             parent,
-            (parent.message_end if parent else 0) + len(segment_keys),
-            segment_keys,
-            segment_reasoning,
+            done.message_end(parent),
+            done.segment_keys,
+            done.segment_reasoning,
             prepared.piece.ids,
             result.completion_ids,
             result.finish_reason,
-            tools_sha,
+            done.tools_sha256,
             template_kwargs=prepared.kwargs,
             reply_id=reply_id or None,
         )
         prepared.prompt.remember(node, result.completion_ids)
-        return node, fields
+        return node, done.fields
 
     def restore(self, session_id: str) -> None:
         """Rebuild a named session from its record file (after a restart or hot reload), so its turns
         extend the recorded ids and its turn ids continue instead of colliding."""
         if self.recorder is None:
             return
-        path = self.recorder.path_for(session_id)
-        if not path.is_file():
-            return
         try:
-            recorded = read_session_file(path)
+            recorded = read_session(self.recorder.record_dir, session_id)  # every writer's part
+            if recorded is None:
+                return
             recorded.full_ids()  # proves every parent is present and every prompt length adds up
         except (OSError, RecordError) as exc:
             raise TitoError(f"cannot resume session from its record file: {exc}", status=409) from exc
@@ -415,6 +424,13 @@ class TurnService:
         if recorded.skipped_lines:
             session.next_turn_id += len(recorded.skipped_lines)  # never reuse the id of a torn line
         logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
+
+    async def sweep_async(self) -> None:
+        """The periodic sweep, wherever the sessions live."""
+        if self.shared is not None:
+            await self.shared.sweep()
+        else:
+            self.sweep()
 
     def sweep(self) -> None:
         """Close idle sessions and those beyond capacity (never one with a turn in flight)."""

@@ -1,0 +1,232 @@
+"""Two real mitmdumps on one real redis-server (`tito_session_store`): any proxy serves any turn of any session.
+
+An openai-SDK agent alternates between the proxies turn by turn; every follow-up must extend exactly the ids of the
+turn before it (what the replica received and generated), whichever proxy served either. Also: streamed turns,
+Responses' `previous_response_id` across proxies, Redis going away (503 naming the store, nothing forwarded or
+recorded, then the sessions continue), idle sessions closed once and resumed from every writer's record part, and a
+restarted proxy that rebuilds nothing from files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import TOOLS, tokenizer_path
+from proxy_harness import post
+
+from tito_addon.records.record_reader import read_session
+from tito_addon.replicas.fleet import RedisServer
+from tito_addon.replicas.proxy_process import Mitmdump
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+KEY = "sk-tito-conc-KEY-3b02"
+
+
+@pytest.fixture(scope="module")
+def replica():
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    if shutil.which("redis-server") is None:
+        if os.environ.get("TITO_REDIS_REQUIRED") == "1":
+            pytest.fail("redis-server is required here (CI installs Debian's redis-server)")
+        pytest.skip("redis-server is not installed")
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def start(replica, redis, record_dir: Path, cwd: Path, **options: str) -> Mitmdump:
+    cwd.mkdir(parents=True, exist_ok=True)
+    settings = {"tito_session_store": redis.url, "tito_upstream_timeout": "20", **options}
+    return Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=cwd,
+                    options=settings).start()  # fmt: skip
+
+
+@pytest.fixture
+def pair(replica, redis, tmp_path):
+    """Two proxies on one Redis, recording to one dir (each its own part of a session's file)."""
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    proxies = [start(replica, redis, record_dir, tmp_path / f"p{i}") for i in range(2)]
+    try:
+        yield proxies, record_dir
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+def client(proxy: Mitmdump, session: str | None = None) -> openai.OpenAI:
+    headers = {"x-session-id": session} if session else None
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, default_headers=headers, max_retries=0)
+
+
+def echo(message) -> dict:
+    out: dict = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls
+        ]
+    return out
+
+
+def follow_up(messages: list[dict], message, turn: int) -> None:
+    messages.append(echo(message))
+    if message.tool_calls:
+        for index, call in enumerate(message.tool_calls):
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {turn}.{index}"})
+    else:
+        messages.append({"role": "user", "content": f"And round {turn}?"})
+
+
+def alternate(proxies, turns: int, *, session: str | None = None, stream_on: int | None = None, first="Hi"):
+    """One agent, turn t on proxy t % 2; returns the raw responses' (session id, turn id) and the messages."""
+    messages: list[dict] = [{"role": "user", "content": first}]
+    served = []
+    for turn in range(turns):
+        api = client(proxies[turn % 2], session)
+        if stream_on is not None and turn % 2 == stream_on:
+            with api.chat.completions.stream(model="m", messages=messages, tools=TOOLS) as events:
+                for _ in events:
+                    pass
+                completion = events.get_final_completion()
+            served.append(None)
+        else:
+            raw = api.chat.completions.with_raw_response.create(model="m", messages=messages, tools=TOOLS)
+            completion = raw.parse()
+            served.append((raw.headers["x-tito-session-id"], int(raw.headers["x-tito-turn-id"])))
+        follow_up(messages, completion.choices[0].message, turn)
+    return served, messages
+
+
+def assert_chain_exact(replica, record_dir: Path, session_id: str, turns: int) -> None:
+    """Every turn extends the one before it, id for id, as the replica received and generated them."""
+    received, generated = replica.received(), replica.generated()
+    assert len(received) == len(generated) == turns
+    recorded = read_session(record_dir, session_id)
+    assert recorded is not None and len(recorded.turns) == turns
+    assert len(recorded.paths) == 2, "each proxy wrote its own part of the session"
+    ids = recorded.full_ids()
+    previous: list[int] = []
+    for index, record in enumerate(recorded.turns):
+        prompt, completion = ids[record.turn_id]
+        assert received[index]["input_ids"] == prompt, f"turn {index}: the backend got other ids than recorded"
+        assert generated[index]["completion_ids"] == completion
+        assert prompt[: len(previous)] == previous, f"turn {index} does not extend the turn before it"
+        assert record.parent_turn_id == (recorded.turns[index - 1].turn_id if index else None)
+        previous = prompt + completion
+
+
+def test_an_automatic_session_continues_on_whichever_proxy_gets_the_turn(pair, replica) -> None:
+    proxies, record_dir = pair
+    served, _ = alternate(proxies, 6, first=f"Plan a trip {uuid.uuid4().hex}")
+    assert len({sid for sid, _ in served}) == 1, "one session, whichever proxy served the turn"
+    assert [turn for _, turn in served] == list(range(6))
+    assert_chain_exact(replica, record_dir, served[0][0], 6)
+
+
+def test_a_named_session_and_streamed_turns_continue_across_proxies(pair, replica) -> None:
+    proxies, record_dir = pair
+    sid = f"named-{uuid.uuid4().hex[:8]}"
+    served, _ = alternate(proxies, 6, session=sid, stream_on=1)
+    assert {s for s, _ in filter(None, served)} == {sid}
+    assert_chain_exact(replica, record_dir, sid, 6)
+    streamed = [body for body in replica.received() if body.get("stream")]
+    assert len(streamed) == 3, "the streamed turns took the live path"
+
+
+def test_previous_response_id_continues_on_the_other_proxy(pair, replica) -> None:
+    proxies, record_dir = pair
+    first = openai.OpenAI(base_url=proxies[0].url + "/v1", api_key=KEY, max_retries=0)
+    second = openai.OpenAI(base_url=proxies[1].url + "/v1", api_key=KEY, max_retries=0)
+    one = first.responses.create(model="m", input=f"Say hi {uuid.uuid4().hex}")
+    two = second.responses.create(model="m", input="Again?", previous_response_id=one.id)
+    received, generated = replica.received(), replica.generated()
+    assert received[1]["input_ids"][: len(received[0]["input_ids"])] == received[0]["input_ids"]
+    assert received[1]["input_ids"][len(received[0]["input_ids"]) :][: len(generated[0]["completion_ids"])] == (
+        generated[0]["completion_ids"]
+    )
+    assert two.id != one.id
+
+
+def test_redis_going_away_is_a_503_that_changes_nothing_then_sessions_continue(pair, replica, redis) -> None:
+    proxies, record_dir = pair
+    sid = f"outage-{uuid.uuid4().hex[:8]}"
+    _, messages = alternate(proxies, 2, session=sid)
+    before = (len(replica.received()), sorted((p.name, p.read_bytes()) for p in record_dir.glob("*.jsonl")))
+    redis.stop()
+    try:
+        for proxy in proxies:
+            reply = post(proxy.url + "/v1/chat/completions", headers={"x-session-id": sid}, timeout=30,
+                               json={"model": "m", "messages": messages, "tools": TOOLS})  # fmt: skip
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert "session store" in error["message"] and "Redis" in error["message"]
+            auto = post(proxy.url + "/v1/chat/completions", timeout=30,
+                              json={"model": "m", "messages": [{"role": "user", "content": "new"}]})  # fmt: skip
+            assert auto.status_code == 503, auto.text
+    finally:
+        redis.start()
+    after = (len(replica.received()), sorted((p.name, p.read_bytes()) for p in record_dir.glob("*.jsonl")))
+    assert after == before, "nothing forwarded, nothing recorded while the store was gone"
+    raw = client(proxies[1], sid).chat.completions.with_raw_response.create(model="m", messages=messages, tools=TOOLS)
+    assert raw.status_code == 200 and raw.headers["x-tito-turn-id"] == "2", "the session continues where it was"
+    recorded = read_session(record_dir, sid)
+    assert recorded is not None and [t.parent_turn_id for t in recorded.turns] == [None, 0, 1]
+    received = replica.received()
+    assert received[-1]["input_ids"][: len(received[-2]["input_ids"])] == received[-2]["input_ids"]
+
+
+def test_idle_sessions_close_once_and_resume_from_every_writers_part(replica, redis, tmp_path) -> None:
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    proxies = [start(replica, redis, record_dir, tmp_path / f"p{i}", tito_session_idle_timeout="1") for i in range(2)]
+    try:
+        sid = f"idle-{uuid.uuid4().hex[:8]}"
+        _, messages = alternate(proxies, 3, session=sid)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            recorded = read_session(record_dir, sid)
+            if recorded is not None and recorded.closes:
+                break
+            time.sleep(0.5)
+        time.sleep(6)  # a second sweep on each proxy: still one close line
+        recorded = read_session(record_dir, sid)
+        assert recorded is not None and [(c.reason, c.turns) for c in recorded.closes] == [("idle", 3)]
+        raw = client(proxies[0], sid).chat.completions.with_raw_response.create(
+            model="m", messages=messages, tools=TOOLS
+        )
+        assert raw.headers["x-tito-turn-id"] == "3", "turn ids continue after the resumed ones"
+        received, generated = replica.received(), replica.generated()
+        assert received[3]["input_ids"][: len(received[2]["input_ids"])] == received[2]["input_ids"]
+        tail = received[3]["input_ids"][len(received[2]["input_ids"]) :]
+        assert tail[: len(generated[2]["completion_ids"])] == generated[2]["completion_ids"], (
+            "the resumed session continues the last turn's exact ids, written by the other proxy"
+        )
+        assert any("resumed session" in line for p in proxies for line in p.lines)
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+def test_a_restarted_proxy_rebuilds_nothing_from_files(pair, replica, redis, tmp_path) -> None:
+    proxies, record_dir = pair
+    sid = f"restart-{uuid.uuid4().hex[:8]}"
+    _, messages = alternate(proxies, 2, session=sid)
+    proxies[0].kill()
+    proxies[0] = start(replica, redis, record_dir, tmp_path / "p0-again")
+    raw = client(proxies[0], sid).chat.completions.with_raw_response.create(model="m", messages=messages, tools=TOOLS)
+    assert raw.headers["x-tito-turn-id"] == "2"
+    assert not any("resumed session" in line for line in proxies[0].lines), "Redis had it: no file was read"
+    recorded = read_session(record_dir, sid)
+    assert recorded is not None and [t.parent_turn_id for t in recorded.turns] == [None, 0, 1]
+    assert json.loads((record_dir / os.listdir(record_dir)[0]).read_text().splitlines()[0])["session_id"]
