@@ -76,6 +76,21 @@ def replica():
         yield running
 
 
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server on loopback (append-only file, so a stop and start keeps its data), one per module."""
+    import shutil
+
+    from tito_addon.replicas.fleet import RedisServer
+
+    if shutil.which("redis-server") is None:
+        if os.environ.get("TITO_REDIS_REQUIRED") == "1":
+            pytest.fail("redis-server is required here (CI installs Debian's redis-server)")
+        pytest.skip("redis-server is not installed")
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
 @pytest.fixture
 def proxy(replica, tmp_path: Path):
     """A real mitmdump with the addon in front of `replica`, recording to `proxy.record_dir`, per test."""

@@ -31,30 +31,10 @@ try:  # the openai SDK's HTTP client: httpx, or its successor httpx2 in newer SD
 except ImportError:  # pragma: no cover - depends on the installed SDK
     import httpx
 
+from conftest import TOOLS  # noqa: E402 - the tool set every test's conversation uses
+
 GROUP = 8
 MODEL = "reference-model"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the web",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
-        },
-    },
-]
 RETRYABLE = (502, 503, 504)
 CITIES = ("Paris", "Tokyo", "Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito")
 
@@ -170,6 +150,7 @@ class FleetRun:
         self.agents = [FleetAgent(self, i) for i in range(agents)]
         self.by_request: dict[str, Exchange] = {}
         self.status_counts: Counter[int] = Counter()
+        self.connection_errors = 0  # requests that got no HTTP answer at all (e.g. their proxy was killed)
         self.completed = 0  # 200s so far
         self.wall_s = 0.0
         self._seed = 0
@@ -220,6 +201,7 @@ class FleetRun:
                     exchange.status = exc.status_code
                     raise
             except openai.APIConnectionError:
+                self.connection_errors += 1
                 if time.monotonic() > deadline:
                     raise
             await asyncio.sleep(delay * (0.5 + random.random()))

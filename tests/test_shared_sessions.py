@@ -21,27 +21,14 @@ from conftest import TOOLS, tokenizer_path
 from proxy_harness import post
 
 from tito_addon.records.record_reader import read_session
-from tito_addon.replicas.fleet import RedisServer
 from tito_addon.replicas.proxy_process import Mitmdump
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 KEY = "sk-tito-conc-KEY-3b02"
 
 
 @pytest.fixture(scope="module")
-def replica():
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    if shutil.which("redis-server") is None:
-        if os.environ.get("TITO_REDIS_REQUIRED") == "1":
-            pytest.fail("redis-server is required here (CI installs Debian's redis-server)")
-        pytest.skip("redis-server is not installed")
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
+def redis(redis_server):
+    return redis_server
 
 
 def start(replica, redis, record_dir: Path, cwd: Path, **options: str) -> Mitmdump:
@@ -152,8 +139,9 @@ def test_previous_response_id_continues_on_the_other_proxy(pair, replica) -> Non
     two = second.responses.create(model="m", input="Again?", previous_response_id=one.id)
     received, generated = replica.received(), replica.generated()
     assert received[1]["input_ids"][: len(received[0]["input_ids"])] == received[0]["input_ids"]
-    assert received[1]["input_ids"][len(received[0]["input_ids"]) :][: len(generated[0]["completion_ids"])] == (
-        generated[0]["completion_ids"]
+    assert (
+        received[1]["input_ids"][len(received[0]["input_ids"]) :][: len(generated[0]["completion_ids"])]
+        == (generated[0]["completion_ids"])
     )
     assert two.id != one.id
 
@@ -230,3 +218,28 @@ def test_a_restarted_proxy_rebuilds_nothing_from_files(pair, replica, redis, tmp
     recorded = read_session(record_dir, sid)
     assert recorded is not None and [t.parent_turn_id for t in recorded.turns] == [None, 0, 1]
     assert json.loads((record_dir / os.listdir(record_dir)[0]).read_text().splitlines()[0])["session_id"]
+
+
+def test_the_readmes_deployment_recipe_is_valid(tmp_path) -> None:
+    """The README's one-node recipe: HAProxy accepts its config as written, and every option it sets is the addon's."""
+    import re
+    import subprocess
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text("utf-8")
+    recipe = readme[readme.index("### Many proxies, one session space") :]
+    config = re.search(r"cat > haproxy.cfg <<'CFG'\n(.*?)\nCFG\n", recipe, re.S)
+    assert config is not None, "the recipe's HAProxy config is not where the test looks"
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        if os.environ.get("TITO_HAPROXY_REQUIRED") == "1":
+            pytest.fail("haproxy is required here (CI installs Debian's haproxy)")
+        pytest.skip("haproxy is not installed")
+    (tmp_path / "haproxy.cfg").write_text(config.group(1) + "\n")
+    check = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "balance roundrobin" in config.group(1) and "cookie" not in config.group(1), "no stickiness"
+    options = set(re.findall(r"--set (tito_\w+)=", recipe.split("```")[1]))
+    known = set(re.findall(r'"(tito_\w+)",', (REPO / "tito_addon" / "proxy" / "capture_addon.py").read_text()))
+    assert options and options <= known, options - known

@@ -282,6 +282,13 @@ class TitoAddon:
     @command.command("tito.sessions")
     def sessions(self) -> str:
         """Live sessions: id, turns, tokens, turns in flight and idle seconds."""
+        if self.settings is not None and self.settings.session_store != "memory":
+            table = (
+                "sessions live in the shared store, not in this process: `redis-cli -u URL ZRANGE tito:live 0 -1` "
+                "lists them, `HGETALL tito:s:{ID}` shows one (turns, tokens, next turn id)"
+            )
+            logger.info("tito sessions: %s", table)
+            return table
         now = time.time()
         rows = [f"{'session':36} {'turns':>6} {'tokens':>9} {'busy':>4} {'idle s':>7}"]
         for session in self.store.sessions.values():
