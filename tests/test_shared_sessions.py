@@ -75,20 +75,20 @@ def follow_up(messages: list[dict], message, turn: int) -> None:
         messages.append({"role": "user", "content": f"And round {turn}?"})
 
 
-def alternate(proxies, turns: int, *, session: str | None = None, stream_on: int | None = None, first="Hi"):
+def alternate(proxies, turns: int, *, session: str | None = None, stream_on: int | None = None, first="Hi", model="m"):
     """One agent, turn t on proxy t % 2; returns the raw responses' (session id, turn id) and the messages."""
     messages: list[dict] = [{"role": "user", "content": first}]
     served = []
     for turn in range(turns):
         api = client(proxies[turn % 2], session)
         if stream_on is not None and turn % 2 == stream_on:
-            with api.chat.completions.stream(model="m", messages=messages, tools=TOOLS) as events:
+            with api.chat.completions.stream(model=model, messages=messages, tools=TOOLS) as events:
                 for _ in events:
                     pass
                 completion = events.get_final_completion()
             served.append(None)
         else:
-            raw = api.chat.completions.with_raw_response.create(model="m", messages=messages, tools=TOOLS)
+            raw = api.chat.completions.with_raw_response.create(model=model, messages=messages, tools=TOOLS)
             completion = raw.parse()
             served.append((raw.headers["x-tito-session-id"], int(raw.headers["x-tito-turn-id"])))
         follow_up(messages, completion.choices[0].message, turn)
@@ -243,3 +243,29 @@ def test_the_readmes_deployment_recipe_is_valid(tmp_path) -> None:
     options = set(re.findall(r"--set (tito_\w+)=", recipe.split("```")[1]))
     known = set(re.findall(r'"(tito_\w+)",', (REPO / "tito_addon" / "proxy" / "capture_addon.py").read_text()))
     assert options and options <= known, options - known
+
+
+def test_vllm_turns_continue_across_proxies(redis, tmp_path) -> None:
+    """The same on a vLLM-shaped backend (render -> generate -> derender), a streamed turn included."""
+    from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+
+    with VllmReplicaThread(VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), version="0.32.0")) as vllm:
+        record_dir = tmp_path / "rec"
+        proxies = [start(vllm, redis, record_dir, tmp_path / f"v{i}", tito_backend_kind="vllm") for i in range(2)]
+        try:
+            sid = f"vllm-{uuid.uuid4().hex[:8]}"
+            served, _ = alternate(proxies, 4, session=sid, stream_on=1, model="tiny-qwen3")
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+        generated = vllm.generated()
+    assert {s for s, _ in filter(None, served)} == {sid} and len(generated) == 4
+    recorded = read_session(record_dir, sid)
+    assert recorded is not None and len(recorded.paths) == 2
+    ids = recorded.full_ids()
+    previous: list[int] = []
+    for index, record in enumerate(recorded.turns):
+        prompt, completion = ids[record.turn_id]
+        assert generated[index]["prompt_ids"] == prompt and generated[index]["completion_ids"] == completion
+        assert prompt[: len(previous)] == previous, f"turn {index} does not extend the turn before it"
+        previous = prompt + completion
