@@ -231,3 +231,20 @@ def test_a_store_that_is_gone_is_a_clear_error() -> None:
     with pytest.raises(StoreUnavailable, match="session store") as raised:
         run(claim(gone, "s"))
     assert raised.value.status == 503
+
+
+def test_the_proxys_client_serves_more_concurrent_turns_than_it_has_connections(redis_url) -> None:
+    """Every turn in flight may await Redis at once: the proxy's client queues what its pool cannot hold (redis-py's
+    default pool fails its 101st concurrent command with MaxConnectionsError, which was a 503 at 256 agents)."""
+    from tito_addon.proxy.shared_store import MAX_CONNECTIONS, SharedStore
+
+    async def scenario() -> list:
+        store = SharedStore(redis_url)
+        try:
+            paths = [os.urandom(16) for _ in range(8)]
+            return await asyncio.gather(*(store.sessions.tree.lookup(None, "ns", paths) for _ in range(400)))
+        finally:
+            await store.close()
+
+    found = run(scenario())
+    assert len(found) == 400 > 4 * MAX_CONNECTIONS and all(state is None for state, _ in found)

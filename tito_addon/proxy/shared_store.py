@@ -10,21 +10,27 @@ from tito_addon.sessions.shared_sessions import SharedSessions
 
 CONNECT_TIMEOUT_S = 2.0
 COMMAND_TIMEOUT_S = 5.0
+# Every turn in flight may await Redis at once (each command holds a connection until its reply): beyond this many,
+# commands wait for a free connection instead of failing (redis-py's default pool refuses its 101st).
+MAX_CONNECTIONS = 64
 
 
 def redis_client(url: str) -> Any:
-    from redis.asyncio import Redis
+    from redis.asyncio import BlockingConnectionPool, Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
-    return Redis.from_url(
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=COMMAND_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         socket_timeout=COMMAND_TIMEOUT_S,
         # A couple of quick retries ride out a dropped connection; an outage is answered within about a second.
         retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
         health_check_interval=30,
     )
+    return Redis(connection_pool=pool)
 
 
 class SharedStore:
@@ -44,3 +50,4 @@ class SharedStore:
 
     async def close(self) -> None:
         await self.client.aclose()
+        await self.client.connection_pool.disconnect()
