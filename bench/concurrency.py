@@ -48,8 +48,9 @@ async def _agent(client: aiohttp.ClientSession, url: str, index: int, turns: int
     for turn in range(turns):
         body = orjson.dumps({"model": "m", "messages": messages})
         started = time.perf_counter()
-        async with client.post(url + "/v1/chat/completions", data=body,
-                               headers={"content-type": "application/json"}) as response:  # fmt: skip
+        # `x-agent-id` lets a load balancer keep an agent on one process (HAProxy `balance hdr(x-agent-id)`).
+        headers = {"content-type": "application/json", "x-agent-id": str(index)}
+        async with client.post(url + "/v1/chat/completions", data=body, headers=headers) as response:
             data = await response.read()
             if response.status != 200:
                 raise RuntimeError(f"agent {index} turn {turn}: HTTP {response.status}: {data[:300]!r}")

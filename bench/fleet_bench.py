@@ -143,7 +143,10 @@ def p2_fleet(tokenizer: str, sessions: int = 256, turns: int = 10, latency_s: fl
                     if redis is not None:
                         tokens = sum(len(t.prompt_added_ids) + len(t.completion_ids)
                                      for s in sessions_on_disk for t in s.turns)  # fmt: skip
-                        row["redis_bytes_per_token"] = (redis.used_memory() - before) / tokens
+                        used = redis.used_memory() - before
+                        row["redis_bytes_per_token"] = used / tokens
+                        row["redis_bytes_per_turn"] = used / row["recorded_turns"]
+                        row["tokens_per_turn"] = tokens / row["recorded_turns"]
                         redis_bytes.append(row["redis_bytes_per_token"])
                     result[f"{store}_x{n}"] = row
                 finally:
