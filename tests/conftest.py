@@ -42,6 +42,18 @@ API_KEYS = ("sk-tito-test-SECRET-4f9a1c", "sk-agent", "sk-client", "sk-tito-cras
 CREDENTIAL = re.compile(r"bearer\s+\S|authorization[\"']?\s*[:=]", re.IGNORECASE)
 
 
+def echo(message) -> dict:
+    """What a typical agent appends of an openai-SDK chat message: the standard fields only (reasoning is dropped,
+    as openai-python does)."""
+    out: dict = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            for c in message.tool_calls
+        ]
+    return out
+
+
 def tokenizer_path(family: str) -> str:
     local = SHARED / "tokenizers" / family
     return str(local) if local.is_dir() else HUB_NAMES[family]

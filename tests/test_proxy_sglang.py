@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, tokenizer_path
+from conftest import TOOLS, echo, tokenizer_path
 from proxy_harness import REPO, Mitmdump, get, post
 
 from tito_addon.records.record_reader import read_session_file
@@ -58,17 +58,6 @@ def fresh(replica):
 def agent(proxy, session: str | None = None, **kw) -> openai.OpenAI:
     headers = {"x-session-id": session} if session else None
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key=SECRET, default_headers=headers, max_retries=0, **kw)
-
-
-def echo(message) -> dict:
-    """What a typical agent appends: the standard fields only (reasoning is dropped, as openai-python does)."""
-    out: dict = {"role": "assistant", "content": message.content}
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in message.tool_calls
-        ]
-    return out
 
 
 def run_agent(client: openai.OpenAI, turns: int, *, stream: bool = False, first: str = "Weather in Paris?"):

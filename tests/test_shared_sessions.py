@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, tokenizer_path
+from conftest import TOOLS, echo, tokenizer_path
 from proxy_harness import post
 
 from tito_addon.records.record_reader import read_session
@@ -54,16 +54,6 @@ def pair(replica, redis, tmp_path):
 def client(proxy: Mitmdump, session: str | None = None) -> openai.OpenAI:
     headers = {"x-session-id": session} if session else None
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key=KEY, default_headers=headers, max_retries=0)
-
-
-def echo(message) -> dict:
-    out: dict = {"role": "assistant", "content": message.content}
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in message.tool_calls
-        ]
-    return out
 
 
 def follow_up(messages: list[dict], message, turn: int) -> None:
