@@ -248,3 +248,31 @@ def test_the_proxys_client_serves_more_concurrent_turns_than_it_has_connections(
 
     found = run(scenario())
     assert len(found) == 400 > 4 * MAX_CONNECTIONS and all(state is None for state, _ in found)
+
+
+def test_closing_an_automatic_session_removes_only_its_own_index_entries(redis_url) -> None:
+    """Two automatic sessions whose turns end at the same path digest (one index entry each under one field):
+    closing one leaves the other findable, and frees its GRPO group and reply ids."""
+    prefix = uuid.uuid4().hex
+    keys = [os.urandom(16) for _ in range(2)]
+    path = extend(ROOT, keys)
+
+    async def scenario():
+        t = tree(redis_url, prefix)
+        sids = []
+        for group in (b"g" * 16, b"h" * 16):
+            sid, turn = await claim(t, None, prompt=group, fresh=automatic_session_id())
+            await t.commit(new_turn(sid, turn, automatic=True, keys=keys, path=path, reply_id=f"resp_{sid}"),
+                           now_ms=now())  # fmt: skip
+            sids.append(sid)
+        before = await t.lookup(None, "ns", [path])
+        closed = await t.close(sids[0], now_ms=now(), idle_before_ms=None)
+        after = await t.lookup(None, "ns", [path])
+        regroup, _ = await claim(t, None, prompt=b"g" * 16, fresh=automatic_session_id())
+        return sids, before, closed, after, regroup, await t.by_reply(f"resp_{sids[0]}"), await t.node(sids[1], 0)
+
+    sids, before, closed, after, regroup, reply, kept = run(scenario())
+    assert before == (None, [[(sids[0], 0), (sids[1], 0)]]) and closed == 1
+    assert after == (None, [[(sids[1], 0)]]), "only the closed session's entry went"
+    assert regroup not in sids, "its GRPO group is free: the same first request starts a new session"
+    assert reply is None and kept is not None and list(kept.added_ids) == [1]

@@ -10,9 +10,10 @@ Layout (prefix `P`, `tito` by default; a session's own keys share the `{sid}` ha
     P:s:{sid}            hash: next (turn id), turns, tokens, automatic, namespace, nsh, prompt, created, closed
                          (a closed session keeps this hash, without its turns, for `TOMBSTONE_S`: its turn ids
                          continue if it is resumed)
-    P:n:{sid}:{turn}     hash: parent, end, keys (16 B each), reasoning (digest), added, completion (4 B an id,
-                         little-endian), chain (the ancestors' turn ids, 4 B each, root first), path, finish,
-                         tools, kwargs, reply
+    P:n:{sid}:{turn}     string: the turn packed (`pack_node`): parent, end, message keys (16 B each), reasoning
+                         digest, path digest, added and completion ids and the ancestors' turn ids (4 B each,
+                         little-endian, root first), then finish reason, tools digest, kwargs and reply id as JSON
+    P:x:{sid}            string: per committed turn, its path digest and reply id (what a close must undo)
     P:p:{sid}            hash: path digest -> turn ids (4 B each) of the named session's turns ending there
     P:ap:{nsh}           hash: path digest -> (32 B session id + 4 B turn id)* of automatic sessions' turns
     P:g:{nsh}            hash: first-request digest -> automatic session id (a GRPO group)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -71,16 +73,15 @@ return {sid, turn}
 
 COMMIT = """
 if redis.call('HGET', KEYS[1], 'closed') ~= '0' then return 0 end
-redis.call('HSET', KEYS[2], 'parent', ARGV[1], 'end', ARGV[2], 'keys', ARGV[3], 'reasoning', ARGV[4],
-  'added', ARGV[5], 'completion', ARGV[6], 'finish', ARGV[7], 'tools', ARGV[8], 'kwargs', ARGV[9], 'reply', ARGV[10],
-  'path', ARGV[11], 'chain', ARGV[15])
-local entries = redis.call('HGET', KEYS[3], ARGV[11]) or ''
-redis.call('HSET', KEYS[3], ARGV[11], entries .. ARGV[12])
+redis.call('SET', KEYS[2], ARGV[1])
+local entries = redis.call('HGET', KEYS[3], ARGV[2]) or ''
+redis.call('HSET', KEYS[3], ARGV[2], entries .. ARGV[3])
+redis.call('APPEND', KEYS[7], ARGV[4])
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
-redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[13]))
-if ARGV[10] ~= '' then redis.call('HSET', KEYS[4], ARGV[10], ARGV[14]) end
-redis.call('ZREM', KEYS[6], ARGV[17])
-redis.call('ZADD', KEYS[5], ARGV[16], ARGV[18])
+redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[5]))
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[4], ARGV[6], ARGV[7]) end
+redis.call('ZREM', KEYS[6], ARGV[8])
+redis.call('ZADD', KEYS[5], ARGV[9], ARGV[10])
 return 1
 """
 
@@ -98,25 +99,29 @@ if ARGV[4] ~= '' then
 end
 local auto = m[2] == '1'
 local index = auto and (P .. ':ap:' .. m[3]) or (P .. ':p:{' .. sid .. '}')
-for t = 0, tonumber(m[5]) - 1 do
-  local node = P .. ':n:{' .. sid .. '}:' .. t
-  local f = redis.call('HMGET', node, 'path', 'reply')
-  if f[1] then
-    if auto then
-      local v = redis.call('HGET', index, f[1])
-      if v then
-        local kept = {}
-        for i = 1, #v, 36 do
-          local e = string.sub(v, i, i + 35)
-          if string.sub(e, 1, 32) ~= sid then kept[#kept + 1] = e end
-        end
-        if #kept == 0 then redis.call('HDEL', index, f[1]) else redis.call('HSET', index, f[1], table.concat(kept)) end
+local ledgerkey = P .. ':x:{' .. sid .. '}'
+local ledger = redis.call('GET', ledgerkey) or ''
+local i = 1
+while i <= #ledger do
+  local path = string.sub(ledger, i, i + 15)
+  local size = string.byte(ledger, i + 16) + 256 * string.byte(ledger, i + 17)
+  local reply = string.sub(ledger, i + 18, i + 17 + size)
+  i = i + 18 + size
+  if auto then
+    local v = redis.call('HGET', index, path)
+    if v then
+      local kept = {}
+      for j = 1, #v, 36 do
+        local e = string.sub(v, j, j + 35)
+        if string.sub(e, 1, 32) ~= sid then kept[#kept + 1] = e end
       end
+      if #kept == 0 then redis.call('HDEL', index, path) else redis.call('HSET', index, path, table.concat(kept)) end
     end
-    if f[2] and f[2] ~= '' then redis.call('HDEL', P .. ':r', f[2]) end
-    redis.call('DEL', node)
   end
+  if reply ~= '' then redis.call('HDEL', P .. ':r', reply) end
 end
+for t = 0, tonumber(m[5]) - 1 do redis.call('DEL', P .. ':n:{' .. sid .. '}:' .. t) end
+redis.call('DEL', ledgerkey)
 if not auto then redis.call('DEL', index) end
 if auto and m[4] then
   local groups = P .. ':g:' .. m[3]
@@ -130,25 +135,24 @@ return tonumber(m[6])
 """
 
 RESTORE = """
-local sid, now, P = ARGV[1], ARGV[2], ARGV[3]
+local sid, now = ARGV[1], ARGV[2]
 local closed = redis.call('HGET', KEYS[1], 'closed')
 if closed == '0' then return 0 end
-local next = math.max(tonumber(redis.call('HGET', KEYS[1], 'next') or '0'), tonumber(ARGV[4]))
+local next = math.max(tonumber(redis.call('HGET', KEYS[1], 'next') or '0'), tonumber(ARGV[3]))
 local turns, tokens = 0, 0
-for i = 5, #ARGV, 13 do
+redis.call('DEL', KEYS[5])
+for i = 5, #ARGV, 7 do
   local t = tonumber(ARGV[i])
-  redis.call('HSET', P .. ':n:{' .. sid .. '}:' .. t, 'parent', ARGV[i + 1], 'end', ARGV[i + 2], 'keys', ARGV[i + 3],
-    'reasoning', ARGV[i + 4], 'added', ARGV[i + 5], 'completion', ARGV[i + 6], 'finish', ARGV[i + 7],
-    'tools', ARGV[i + 8], 'kwargs', ARGV[i + 9], 'reply', ARGV[i + 10], 'path', ARGV[i + 11], 'chain', ARGV[i + 12])
-  local entries = redis.call('HGET', KEYS[2], ARGV[i + 11]) or ''
-  redis.call('HSET', KEYS[2], ARGV[i + 11], entries .. struct.pack('<I4', t))
-  if ARGV[i + 10] ~= '' then redis.call('HSET', KEYS[3], ARGV[i + 10], sid .. '\\n' .. t) end
+  redis.call('SET', ARGV[i + 1], ARGV[i + 2])
+  local entries = redis.call('HGET', KEYS[2], ARGV[i + 3]) or ''
+  redis.call('HSET', KEYS[2], ARGV[i + 3], entries .. ARGV[i + 4])
+  redis.call('APPEND', KEYS[5], ARGV[i + 5])
+  if ARGV[i + 6] ~= '' then redis.call('HSET', KEYS[3], ARGV[i + 6], sid .. '\\n' .. t) end
   if t + 1 > next then next = t + 1 end
   turns = turns + 1
-  tokens = tokens + (#ARGV[i + 5] + #ARGV[i + 6]) / 4
 end
 redis.call('HSET', KEYS[1], 'automatic', 0, 'namespace', '', 'created', now, 'next', next, 'turns', turns,
-  'tokens', tokens, 'closed', 0)
+  'tokens', ARGV[4], 'closed', 0)
 redis.call('PERSIST', KEYS[1])
 redis.call('ZADD', KEYS[4], now, sid)
 return 1
@@ -256,6 +260,9 @@ class RedisTree:
     def _node(self, sid: str, turn: int) -> str:
         return f"{self.prefix}:n:{{{sid}}}:{turn}"
 
+    def _ledger(self, sid: str) -> str:
+        return f"{self.prefix}:x:{{{sid}}}"
+
     def _index(self, sid: str | None, namespace: str) -> str:
         if sid is not None:
             return f"{self.prefix}:p:{{{sid}}}"
@@ -299,26 +306,19 @@ class RedisTree:
 
     async def commit(self, turn: NewTurn, *, now_ms: int) -> None:
         """Add a claimed turn and its index entry, atomically (after its record line is on disk)."""
-        if any(len(key) != KEY_BYTES for key in turn.segment_keys):
-            raise ValueError("message keys are 16 bytes")
         sid = turn.session_id
-        entry = turn.turn_id.to_bytes(TURN, "little")
-        if turn.automatic:
-            if len(sid) != AUTO_ID:
-                raise ValueError("automatic session ids are 32 characters")
-            entry = sid.encode() + entry
-        added, completion = pack_ids(turn.added_ids), pack_ids(turn.completion_ids)
+        if turn.automatic and len(sid) != AUTO_ID:
+            raise ValueError("automatic session ids are 32 characters")
+        blob = pack_node(turn)
         index = self._index(None if turn.automatic else sid, turn.namespace)
         keys = [
             self._meta(sid), self._node(sid, turn.turn_id), index, f"{self.prefix}:r", self._live,
-            f"{self.prefix}:b:{{{sid}}}",
+            f"{self.prefix}:b:{{{sid}}}", self._ledger(sid),
         ]  # fmt: skip
         args = [
-            -1 if turn.parent_turn_id is None else turn.parent_turn_id, turn.message_end, b"".join(turn.segment_keys),
-            turn.reasoning or "", added, completion, turn.finish_reason or "", turn.tools_sha256 or "",
-            json.dumps(turn.template_kwargs or {}, sort_keys=True), turn.reply_id or "", turn.path, entry,
-            (len(added) + len(completion)) // TURN, f"{sid}\n{turn.turn_id}", pack_ids(turn.chain), now_ms,
-            turn.turn_id, sid,
+            blob, turn.path, index_entry(sid, turn.turn_id, turn.automatic), ledger_entry(turn.path, turn.reply_id),
+            len(turn.added_ids) + len(turn.completion_ids), turn.reply_id or "", f"{sid}\n{turn.turn_id}",
+            turn.turn_id, now_ms, sid,
         ]  # fmt: skip
         if not await self._run(self._commit(keys=keys, args=args)):
             raise SessionGone(sid)
@@ -357,9 +357,9 @@ class RedisTree:
             return {}
         async with self.client.pipeline(transaction=False) as pipe:
             for sid, turn in wanted:
-                pipe.hgetall(self._node(sid, turn))
+                pipe.get(self._node(sid, turn))
             found = await self._run(pipe.execute())
-        return {pair: parse_node(*pair, fields) for pair, fields in zip(wanted, found, strict=True) if fields}
+        return {pair: parse_node(*pair, blob) for pair, blob in zip(wanted, found, strict=True) if blob}
 
     async def node(self, session_id: str, turn_id: int) -> StoredNode | None:
         return (await self.nodes([(session_id, turn_id)])).get((session_id, turn_id))
@@ -400,35 +400,86 @@ class RedisTree:
     async def restore(self, session_id: str, nodes: Sequence[StoredNode], paths: Sequence[bytes], *, now_ms: int,
                       next_at_least: int) -> bool:  # fmt: skip
         """Put a named session's recorded turns back (all at once) unless it is live; False when it already was."""
-        args: list[Any] = [session_id, now_ms, self.prefix, next_at_least]
+        tokens = sum(len(node.added_ids) + len(node.completion_ids) for node in nodes)
+        args: list[Any] = [session_id, now_ms, next_at_least, tokens]
         for node, path in zip(nodes, paths, strict=True):
+            blob = pack_node(node, path)
             args += [
-                node.turn_id, -1 if node.parent_turn_id is None else node.parent_turn_id, node.message_end,
-                b"".join(node.segment_keys), node.reasoning or "", node.added_ids.tobytes(),
-                node.completion_ids.tobytes(), node.finish_reason or "", node.tools_sha256 or "",
-                json.dumps(node.template_kwargs or {}, sort_keys=True), node.reply_id or "", path,
-                pack_ids(node.chain),
+                node.turn_id, self._node(session_id, node.turn_id), blob, path,
+                index_entry(session_id, node.turn_id, False), ledger_entry(path, node.reply_id), node.reply_id or "",
             ]  # fmt: skip
-        keys = [self._meta(session_id), self._index(session_id, ""), f"{self.prefix}:r", self._live]
+        keys = [
+            self._meta(session_id), self._index(session_id, ""), f"{self.prefix}:r", self._live,
+            self._ledger(session_id),
+        ]  # fmt: skip
         return bool(await self._run(self._restore(keys=keys, args=args)))
 
 
-def parse_node(session_id: str, turn_id: int, fields: dict[Any, bytes]) -> StoredNode:
-    get = {_text(k): v for k, v in fields.items()}
-    parent = int(get["parent"])
-    keys = get["keys"]
+# A node's packed form: a fixed header, then its message keys, reasoning digest (if any), path digest, added,
+# completion and ancestor ids (4 bytes each), then a small JSON of what is rarely set. One string per turn costs
+# Redis a fraction of a hash of a dozen fields (which loses its compact encoding once a value passes 64 bytes).
+HEADER = struct.Struct("<iIHIIIB")
+
+
+def pack_node(node: NewTurn | StoredNode, path: bytes | None = None) -> bytes:
+    if any(len(key) != KEY_BYTES for key in node.segment_keys):
+        raise ValueError("message keys are 16 bytes")
+    path = node.path if isinstance(node, NewTurn) else path
+    if path is None or len(path) != KEY_BYTES:
+        raise ValueError("a path digest is 16 bytes")
+    reasoning = bytes.fromhex(node.reasoning) if node.reasoning else b""
+    if len(reasoning) not in (0, KEY_BYTES):
+        raise ValueError("a reasoning digest is 16 bytes")
+    added, completion, chain = pack_ids(node.added_ids), pack_ids(node.completion_ids), pack_ids(node.chain)
+    rare = {"finish": node.finish_reason, "tools": node.tools_sha256, "kwargs": node.template_kwargs or None,
+            "reply": node.reply_id}  # fmt: skip
+    tail = json.dumps({k: v for k, v in rare.items() if v is not None}, sort_keys=True).encode()
+    header = HEADER.pack(
+        -1 if node.parent_turn_id is None else node.parent_turn_id, node.message_end, len(node.segment_keys),
+        len(added) // TURN, len(completion) // TURN, len(chain) // TURN, bool(reasoning),
+    )  # fmt: skip
+    return b"".join((header, *node.segment_keys, reasoning, path, added, completion, chain, tail))
+
+
+def index_entry(session_id: str, turn_id: int, automatic: bool) -> bytes:
+    """A path index entry: the turn id, after the session id in a namespace's index of automatic sessions."""
+    entry = turn_id.to_bytes(TURN, "little")
+    return session_id.encode() + entry if automatic else entry
+
+
+def ledger_entry(path: bytes, reply_id: str | None) -> bytes:
+    """What closing the session must undo for a turn: its path index entry and its reply id."""
+    reply = (reply_id or "").encode()
+    if len(reply) > 0xFFFF:
+        raise ValueError("reply id too long")
+    return path + len(reply).to_bytes(2, "little") + reply
+
+
+def parse_node(session_id: str, turn_id: int, blob: bytes) -> StoredNode:
+    parent, end, n_keys, n_added, n_completion, n_chain, has_reasoning = HEADER.unpack_from(blob)
+    at = HEADER.size
+    keys = tuple(blob[at + i * KEY_BYTES : at + (i + 1) * KEY_BYTES] for i in range(n_keys))
+    at += n_keys * KEY_BYTES
+    reasoning = blob[at : at + KEY_BYTES].hex() if has_reasoning else None
+    at += KEY_BYTES if has_reasoning else 0
+    at += KEY_BYTES  # the path digest (read by the scripts; a mirror recomputes it)
+    spans = []
+    for count in (n_added, n_completion, n_chain):
+        spans.append(unpack_ids(blob[at : at + count * TURN]))
+        at += count * TURN
+    rare = json.loads(blob[at:])
     return StoredNode(
         session_id=session_id,
         turn_id=turn_id,
         parent_turn_id=None if parent < 0 else parent,
-        message_end=int(get["end"]),
-        segment_keys=tuple(keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)),
-        reasoning=_text(get["reasoning"]) or None,
-        added_ids=unpack_ids(get["added"]),
-        completion_ids=unpack_ids(get["completion"]),
-        finish_reason=_text(get["finish"]) or None,
-        tools_sha256=_text(get["tools"]) or None,
-        template_kwargs=json.loads(get["kwargs"]) or None,
-        reply_id=_text(get["reply"]) or None,
-        chain=tuple(unpack_ids(get.get("chain", b""))),
+        message_end=end,
+        segment_keys=keys,
+        reasoning=reasoning,
+        added_ids=spans[0],
+        completion_ids=spans[1],
+        finish_reason=rare.get("finish"),
+        tools_sha256=rare.get("tools"),
+        template_kwargs=rare.get("kwargs"),
+        reply_id=rare.get("reply"),
+        chain=tuple(spans[2]),
     )
