@@ -15,48 +15,25 @@ Redis runs as production would: append-only file, fsync every second.
 from __future__ import annotations
 
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.fleet import HAProxy, free_port, wait_for_port
+from tito_addon.replicas.fleet import HAProxy, RedisServer
 from tito_addon.replicas.proxy_process import Mitmdump
 
 
-class Redis:
+class Redis(RedisServer):
     """A throwaway redis-server (AOF, fsync every second) for one benchmark configuration."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="tito-bench-redis-"))
-        self.port = free_port()
-        argv = [
-            shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.dir), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, 30, alive=self.proc)
-        time.sleep(0.2)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def used_memory(self) -> int:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-            sock.sendall(b"INFO memory\r\n")
-            data = b""
-            while b"used_memory:" not in data or not data.endswith(b"\r\n"):
-                data += sock.recv(65536)
-        line = next(x for x in data.split(b"\r\n") if x.startswith(b"used_memory:"))
-        return int(line.split(b":")[1])
+        super().__init__(Path(tempfile.mkdtemp(prefix="tito-bench-redis-")), appendfsync="everysec")
+        self.start()
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
+        self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

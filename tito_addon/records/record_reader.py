@@ -204,18 +204,24 @@ def iter_session_files(record_dir: Path) -> Iterator[SessionFile]:
         yield merge_parts(paths)
 
 
+def recorded_segment(turn: TurnRecord) -> tuple[list[bytes], ChatMessage]:
+    """The message keys a recorded turn added to its session's tree (its appended messages, then its assistant
+    message, keyed as live turns are), and that assistant message."""
+    assistant = ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"})
+    if turn.appended_messages is not None:
+        keys = [message_key(ChatMessage.model_validate(m)) for m in turn.appended_messages]
+    else:
+        keys = [bytes.fromhex(k) for k in turn.appended_keys or ()]
+    keys.append(message_key(assistant))
+    return keys, assistant
+
+
 def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecord]) -> dict[int, TurnNode]:
     """Put recorded turns back into a session tree (resume after a restart, offline replay)."""
     nodes: dict[int, TurnNode] = {}
     for turn in turns:
         parent = nodes[turn.parent_turn_id] if turn.parent_turn_id is not None else None
-        assistant = ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"})
-        if turn.appended_messages is not None:
-            appended = [ChatMessage.model_validate(m) for m in turn.appended_messages]
-            keys = [message_key(m) for m in appended]
-        else:
-            keys = [bytes.fromhex(k) for k in turn.appended_keys or ()]
-        keys.append(message_key(assistant))
+        keys, assistant = recorded_segment(turn)
         nodes[turn.turn_id] = store.commit(
             session,
             parent,

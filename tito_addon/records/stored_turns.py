@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from array import array
 
-from tito_addon.canonical_chat import ChatMessage
 from tito_addon.records.record_models import TurnRecord
-from tito_addon.sessions.message_keys import message_key
+from tito_addon.records.record_reader import recorded_segment
 from tito_addon.sessions.redis_tree import StoredNode, reasoning_digest
 
 
@@ -16,12 +15,7 @@ def stored_nodes(session_id: str, turns: list[TurnRecord]) -> list[StoredNode]:
     ends: dict[int, int] = {}
     out = []
     for turn in turns:
-        assistant = ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"})
-        if turn.appended_messages is not None:
-            keys = [message_key(ChatMessage.model_validate(m)) for m in turn.appended_messages]
-        else:
-            keys = [bytes.fromhex(k) for k in turn.appended_keys or ()]
-        keys.append(message_key(assistant))
+        keys, assistant = recorded_segment(turn)
         parent = turn.parent_turn_id
         chain = (*chains[parent], parent) if parent is not None else ()
         chains[turn.turn_id] = chain

@@ -82,7 +82,11 @@ class RedisServer:
     """`redis-server` on 127.0.0.1 with `appendonly yes` and `appendfsync always`: every acknowledged write is on
     disk, so `stop()` (SIGTERM) then `start()` on the same port and directory comes back with the same data."""
 
-    def __init__(self, dir: Path, port: int | None = None, executable: str | None = None) -> None:
+    def __init__(
+        self, dir: Path, port: int | None = None, executable: str | None = None, appendfsync: str = "always"
+    ) -> None:
+        """`appendfsync="everysec"`: as production runs it (a benchmark), losing at most a second on a crash."""
+        self.appendfsync = appendfsync
         self.dir = Path(dir)
         self.port = port or free_port()
         self.executable = executable or shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -97,7 +101,7 @@ class RedisServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         argv = [
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no",
+            "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
             "--protected-mode", "no", "--logfile", str(self.log_path),
         ]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -118,6 +122,16 @@ class RedisServer:
                 return sock.recv(64).startswith(b"+PONG")
         except OSError:
             return False
+
+    def used_memory(self) -> int:
+        """Redis's `used_memory` (INFO memory), in bytes."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+            sock.sendall(b"INFO memory\r\n")
+            data = b""
+            while b"used_memory:" not in data or not data.endswith(b"\r\n"):
+                data += sock.recv(65536)
+        line = next(x for x in data.split(b"\r\n") if x.startswith(b"used_memory:"))
+        return int(line.split(b":")[1])
 
     def stop(self) -> int | None:
         """SIGTERM and wait: Redis closes its clients and exits; its append-only file already holds every write."""

@@ -58,6 +58,11 @@ def chain_compatible(node: TurnNode, reasonings: Sequence[str | None]) -> bool:
     return True
 
 
+def assistant_ends(roles: Sequence[str]) -> list[int]:
+    """The positions where a stored turn can end: after each assistant message."""
+    return [i + 1 for i, role in enumerate(roles) if role == "assistant"]
+
+
 def deepest_by_path(
     keys: Sequence[MessageKey],
     reasonings: Sequence[str | None],
@@ -68,8 +73,14 @@ def deepest_by_path(
     several), asking `lookup` once for the turns at every position where a stored turn can end (after an
     assistant message)."""
     digests = running(keys)
-    ends = [i + 1 for i, role in enumerate(roles) if role == "assistant"]
-    found = lookup([digests[end] for end in ends])
+    ends = assistant_ends(roles)
+    return deepest_of(ends, lookup([digests[end] for end in ends]), reasonings)
+
+
+def deepest_of(
+    ends: Sequence[int], found: Sequence[Sequence[TurnNode]], reasonings: Sequence[str | None]
+) -> tuple[TurnNode | None, bool]:
+    """`deepest_by_path`'s choice among the turns `found` at each of `ends` (for callers that looked them up)."""
     for end, candidates in sorted(zip(ends, found, strict=True), key=lambda pair: -pair[0]):
         matches = [node for node in candidates if node.message_end == end and chain_compatible(node, reasonings)]
         if matches:

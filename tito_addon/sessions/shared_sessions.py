@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.sessions.message_keys import MessageKey
-from tito_addon.sessions.path_keys import ROOT, deepest_by_path, extend, running
+from tito_addon.sessions.path_keys import ROOT, assistant_ends, deepest_of, extend, running
 from tito_addon.sessions.redis_tree import NewTurn, RedisTree, StoredNode
 from tito_addon.sessions.session_tree import Attachment, Session, TurnNode
 
@@ -154,12 +154,12 @@ class SharedSessions:
     ) -> Located:
         """Where a request attaches (reasonings as digests), decided exactly as `SessionStore.locate` decides it."""
         digests = running(keys)
-        ends = [i + 1 for i, role in enumerate(roles) if role == "assistant"]
+        ends = assistant_ends(roles)
         state, found = await self.tree.lookup(session_id, namespace, [digests[end] for end in ends])
         automatic = session_id is None
         nodes = await self.hydrate([pair for entries in found for pair in entries], automatic, namespace)
         hydrated = [[nodes[pair] for pair in entries if pair in nodes] for entries in found]
-        node, ambiguous = deepest_by_path(keys, reasonings, roles, lambda _: hydrated)  # type: ignore[arg-type,return-value]
+        node, ambiguous = deepest_of(ends, hydrated, reasonings)
         if node is not None:
             attachment = Attachment(node.session, node, node.message_end, ambiguous)
         elif session_id is not None and state == "0":

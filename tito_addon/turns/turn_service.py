@@ -434,6 +434,8 @@ class TurnService:
 
     def sweep(self) -> None:
         """Close idle sessions and those beyond capacity (never one with a turn in flight)."""
+        if self.shared is not None:
+            return  # shared sessions are swept by `sweep_async`, off the turn's path
         for session, reason in self.store.sweep():
             self._close(session, reason)
 
