@@ -8,13 +8,20 @@ parent chain's added ids and completions, concatenated (see `record_reader`).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 TURN_SCHEMA = "tito.turn.v1"
 CLOSE_SCHEMA = "tito.session_close.v1"
 WITHDRAWN_SCHEMA = "tito.turn_withdrawn.v1"
+ANNOTATION_SCHEMA = "tito.annotation.v1"
+
+# An annotation is a trainer's note, not a trajectory: bounded so that no client can grow a session file without
+# limit through it (the control API answers 413 beyond these).
+MAX_LABELS = 64
+MAX_LABEL_CHARS = 256
+MAX_METADATA_BYTES = 64 * 1024
 
 
 class TokenizerInfo(BaseModel):
@@ -107,7 +114,8 @@ class SessionCloseRecord(BaseModel):
     schema_: Literal["tito.session_close.v1"] = Field(default=CLOSE_SCHEMA, alias="schema")
     session_id: str
     turns: int
-    reason: Literal["idle", "evicted", "shutdown"]
+    # closed: by a rollout driver through the control API (the name then stays closed, see `tito_after_close`)
+    reason: Literal["idle", "evicted", "shutdown", "closed"]
     ts: float
 
 
@@ -120,3 +128,33 @@ class TurnWithdrawnRecord(BaseModel):
     turn_id: int
     reason: str
     ts: float
+
+
+class AnnotationRecord(BaseModel):
+    """A reward, labels or metadata a rollout driver attached to a session (`turn_id` null) or to one of its turns.
+
+    Its own line in the session file, after the turns it describes (often after the close line: an episode is
+    scored once it has ended). Readers that rebuild trajectories (resume, replay, re-drive) leave it out; export
+    carries it into the rows of the branches it applies to (see `records/annotations`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_: Literal["tito.annotation.v1"] = Field(default=ANNOTATION_SCHEMA, alias="schema")
+    session_id: str
+    turn_id: int | None = None
+    reward: float | None = Field(default=None, allow_inf_nan=False)
+    labels: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_CHARS)]] | None = Field(
+        default=None, max_length=MAX_LABELS
+    )
+    metadata: dict[str, Any] | None = None
+    ts: float
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AnnotationRecord:
+        if self.reward is None and self.labels is None and self.metadata is None:
+            raise ValueError("an annotation carries a reward, labels or metadata")
+        if self.metadata is not None:
+            size = len(json.dumps(self.metadata, ensure_ascii=False, allow_nan=False).encode())
+            if size > MAX_METADATA_BYTES:
+                raise ValueError(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES}")
+        return self

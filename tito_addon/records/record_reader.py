@@ -19,9 +19,11 @@ from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.records.record_models import (
+    ANNOTATION_SCHEMA,
     CLOSE_SCHEMA,
     TURN_SCHEMA,
     WITHDRAWN_SCHEMA,
+    AnnotationRecord,
     SessionCloseRecord,
     TurnRecord,
     TurnWithdrawnRecord,
@@ -49,6 +51,8 @@ class SessionFile:
     paths: list[Path] = field(default_factory=list)
     # Turns written whose commit to the shared store failed: the agent got an error, not them (left out of `turns`).
     withdrawn: list[TurnWithdrawnRecord] = field(default_factory=list)
+    # Rewards, labels and metadata a driver attached (in the order written; across parts by time).
+    annotations: list[AnnotationRecord] = field(default_factory=list)
 
     def drop_withdrawn(self) -> None:
         gone = {w.turn_id for w in self.withdrawn}
@@ -127,6 +131,8 @@ def read_session_file(path: Path) -> SessionFile:
                 result.closes.append(SessionCloseRecord.model_validate(obj))
             elif schema == WITHDRAWN_SCHEMA:
                 result.withdrawn.append(TurnWithdrawnRecord.model_validate(obj))
+            elif schema == ANNOTATION_SCHEMA:
+                result.annotations.append(AnnotationRecord.model_validate(obj))
             else:
                 raise ValueError(f"unknown schema {schema!r}")
         except (ValueError, ValidationError) as exc:
@@ -182,8 +188,10 @@ def merge_parts(paths: list[Path]) -> SessionFile:
         merged.closes += part.closes
         merged.skipped += part.skipped
         merged.withdrawn += part.withdrawn
+        merged.annotations += part.annotations
     merged.turns.sort(key=lambda turn: turn.turn_id)
     merged.closes.sort(key=lambda close: close.ts)  # `closes[-1]` stays the latest, as in one file
+    merged.annotations.sort(key=lambda note: note.ts)  # stable: one writer's own order is kept on equal times
     return merged
 
 

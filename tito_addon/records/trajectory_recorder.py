@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_models import SessionCloseRecord, TurnRecord, TurnWithdrawnRecord
+from tito_addon.records.record_models import AnnotationRecord, SessionCloseRecord, TurnRecord, TurnWithdrawnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,9 @@ class TrajectoryRecorder:
     def withdraw_turn(self, session_id: str, turn_id: int, reason: str) -> None:
         record = TurnWithdrawnRecord(session_id=session_id, turn_id=turn_id, reason=reason, ts=time.time())
         self._append(session_id, record.model_dump_json(by_alias=True))
+
+    def write_annotation(self, record: AnnotationRecord) -> None:
+        self._append(record.session_id, record.model_dump_json(by_alias=True, exclude_none=True))
 
     def close_session(self, session_id: str, turns: int, reason: str) -> None:
         record = SessionCloseRecord(session_id=session_id, turns=turns, reason=reason, ts=time.time())
