@@ -41,6 +41,9 @@ class BackendResult:
     agent_bytes: bytes | None = None  # when set, sent verbatim instead of re-encoding agent_body
     usage: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The weights that sampled the turn, where the backend says (see `weight_version_of` / `weight_spans_of`).
+    weight_version: str | None = None
+    weight_version_spans: list[dict[str, Any]] | None = None  # vLLM, only when the weights changed mid-turn
 
 
 @dataclass
@@ -99,6 +102,42 @@ def checked_message(value: Any) -> AssistantMessage:
     return message
 
 
+def weight_version_of(value: Any) -> str | None:
+    """A reported weight version as recorded: a string (an integer is taken as its decimal text), else None.
+
+    It describes the turn, never decides it, so a malformed one is dropped rather than failing the turn."""
+    if isinstance(value, str):
+        return value
+    if type(value) is int:
+        return str(value)
+    return None
+
+
+def weight_spans_of(value: Any, count: int) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """vLLM's (0.32+) `weight_versions` of a generate choice: `[{version, start, end}]` over the completion tokens.
+
+    Returns the turn's weight version (the last span's: the weights that sampled its last token, as sglang's
+    `meta_info.weight_version` is the version current when the output finished) and, when the weights changed
+    during the turn, every span. Malformed spans give neither; spans that do not tile the `count` completion
+    tokens give the version but not the spans (kept only when they can be laid over the recorded tokens)."""
+    if not isinstance(value, list) or not value:
+        return None, None
+    spans: list[dict[str, Any]] = []
+    for span in value:
+        if not isinstance(span, dict):
+            return None, None
+        version = weight_version_of(span.get("version"))
+        start, end = span.get("start"), span.get("end")
+        if version is None or type(start) is not int or type(end) is not int:
+            return None, None
+        spans.append({"version": version, "start": start, "end": end})
+    bounds = [0] + [b for s in spans for b in (s["start"], s["end"])] + [count]
+    tiles = all(bounds[i] == bounds[i + 1] for i in range(0, len(bounds), 2))
+    tiles = tiles and all(s["start"] < s["end"] for s in spans)
+    changed = len({s["version"] for s in spans}) > 1
+    return spans[-1]["version"], spans if tiles and changed else None
+
+
 def trajectory_message(raw: dict[str, Any]) -> dict[str, Any]:
     """The assistant message as stored: what the backend sent, with reasoning readable by templates."""
     stored = {k: v for k, v in raw.items() if v is not None}
@@ -116,6 +155,7 @@ def stream_end(
     completion_ids: list[int],
     logprobs: list[float],
     extra: dict[str, Any] | None = None,
+    weight: tuple[str | None, list[dict[str, Any]] | None] = (None, None),
 ) -> StreamEnd:
     """The end of a live stream: the result to commit, then the finish chunk and (if asked) the usage chunk."""
     checked_message(message)
@@ -133,5 +173,7 @@ def stream_end(
         finish_reason=finish_reason,
         agent_body={**base, "object": "chat.completion", "choices": [choice]},
         extra=extra or {},
+        weight_version=weight[0],
+        weight_version_spans=weight[1],
     )
     return StreamEnd(result, tail)

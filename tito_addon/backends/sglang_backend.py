@@ -2,7 +2,8 @@
 
 sglang's chat endpoint skips its own template when `input_ids` is given but still uses `messages`, `tools`
 and `chat_template_kwargs` for its tool and reasoning parsers, so the agent's body goes along unchanged
-apart from the forced fields. Completion ids and logprobs come from `meta_info.output_token_logprobs`.
+apart from the forced fields. Completion ids and logprobs come from `meta_info.output_token_logprobs`, the turn's
+weight version from `meta_info.weight_version`.
 Older servers silently ignore `input_ids`. `input_ids` and the `prompt_token_ids` echo arrived together (0.5.13),
 so the server's version, asked once, says whether it honours our ids; the full echo is then verified on the first
 turn to each backend (and on every turn where the version is unknown, or when asked to), while every turn checks
@@ -27,6 +28,7 @@ from tito_addon.backends.backend_protocol import (
     checked_message,
     stream_end,
     trajectory_message,
+    weight_version_of,
 )
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
@@ -42,6 +44,15 @@ INPUT_IDS_VERSION = (0, 5, 13)
 def _version_tuple(text: str) -> tuple[int, ...] | None:
     parts = re.findall(r"\d+", text)[:3]
     return tuple(int(p) for p in parts) if len(parts) >= 2 else None
+
+
+def metadata_weight_version(body: dict[str, Any]) -> str | None:
+    """The response-level `metadata.weight_version` (a whole chat completion has it next to `meta_info`'s).
+
+    sglang's chat stream chunks (`ChatCompletionStreamResponse`) declare no `metadata`, so a streamed turn usually
+    records no weight version; one a server does send is read."""
+    metadata = body.get("metadata")
+    return weight_version_of(metadata.get("weight_version")) if isinstance(metadata, dict) else None
 
 
 class SglangBackend:
@@ -105,6 +116,7 @@ class SglangBackend:
         accumulated = MessageAccumulator()
         finish: str | None = None
         sglext: dict[str, Any] | None = None
+        weight: str | None = None
         base: dict[str, Any] = {}
         events = self.client.sse_events(turn.base_url + turn.chat_path, body, turn.headers)
         try:
@@ -113,6 +125,7 @@ class SglangBackend:
                     raise UpstreamMalformed(f"sglang stream failed: {str(event['error'])[:300]}")
                 if isinstance(event.get("sglext"), dict):
                     sglext = event["sglext"]
+                weight = metadata_weight_version(event) or weight
                 base = base or {k: event.get(k) for k in ("id", "object", "created", "model")}
                 parts = []
                 for choice in event.get("choices") or []:
@@ -141,7 +154,7 @@ class SglangBackend:
         outputs = sglext.get("output_ids")
         completion_ids = checked_ids(outputs[0] if isinstance(outputs, list) and outputs else None, "output ids")
         logprobs = checked_logprobs(values, len(completion_ids))
-        yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs)
+        yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs, weight=(weight, None))
 
     @staticmethod
     def upstream_body(turn: BackendTurn, echo: bool = True) -> dict[str, Any]:
@@ -242,6 +255,7 @@ class SglangBackend:
             finish_reason=finish_reason,
             agent_body=self.agent_body(body, turn.chat_body),
             usage=body.get("usage") if isinstance(body.get("usage"), dict) else None,
+            weight_version=weight_version_of(meta.get("weight_version")) or metadata_weight_version(body),
         )
 
     @staticmethod

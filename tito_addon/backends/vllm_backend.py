@@ -11,7 +11,8 @@ messages re-tokenized. Instead:
 
 What the server speaks is read from `GET /version` once per backend, never guessed: 0.30+ is asked to echo
 the prompt ids it ran on (checked against ours), 0.32+ gets `prompt_token_ids` on derender; both logprob
-shapes (0.24-0.31 `"token_id:N"` strings, 0.32+ integer `token_id`) are read and cross-checked.
+shapes (0.24-0.31 `"token_id:N"` strings, 0.32+ integer `token_id`) are read and cross-checked. 0.32+ generate
+choices (streamed: the final chunk) carry `weight_versions` spans, recorded as the turn's weight version.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tito_addon.backends.backend_protocol import (
     checked_message,
     stream_end,
     trajectory_message,
+    weight_spans_of,
 )
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
@@ -155,9 +157,12 @@ class VllmBackend:
         completion, raw = await self._call(turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender")
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         eos_text = turn.stop_texts.get(completion_ids[-1]) if finish == "stop" else None
-        return self.harvest_derender(
+        result = self.harvest_derender(
             completion, raw, completion_ids, logprobs, finish, skew, version, asked_logprobs, eos_text
         )
+        weights = generated["choices"][0].get("weight_versions")  # 0.32+
+        result.weight_version, result.weight_version_spans = weight_spans_of(weights, len(completion_ids))
+        return result
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # 0.31 added streaming derender with the tool and reasoning parsers.
@@ -178,6 +183,7 @@ class VllmBackend:
         accumulated = MessageAccumulator()
         state: Any = None
         finish: Any = None
+        weights: Any = None  # 0.32+: on the final chunk, over the whole completion
         base: dict[str, Any] = {}
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         held = LeadingWhitespace()
@@ -205,6 +211,7 @@ class VllmBackend:
                     values.append(entry.get("logprob"))
                 ids += delta_ids
                 finish = choice.get("finish_reason") or finish
+                weights = choice.get("weight_versions") or weights
                 derender_request = {
                     "stream": True,
                     "model": chat["model"],
@@ -247,7 +254,8 @@ class VllmBackend:
         message = accumulated.message()
         finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
         extra = {"render_skew": skew, "backend_version": version.text}
-        yield stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra)
+        weight = weight_spans_of(weights, len(completion_ids))
+        yield stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra, weight)
 
     @staticmethod
     def generate_request(

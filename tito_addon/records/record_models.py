@@ -78,6 +78,11 @@ class TurnRecord(BaseModel):
     # vLLM: does the server's own from-scratch render equal our ids? {equal, first_divergence}; null on sglang.
     render_skew: dict[str, Any] | None = None
     backend_version: str | None = None
+    # The weights that sampled the turn, as the backend reported them: sglang's `meta_info.weight_version`, vLLM's
+    # (0.32+) last `weight_versions` span; null when it reports none (sglang's chat streams never do).
+    weight_version: str | None = None
+    # vLLM, only when the weights changed during the turn: [{version, start, end}] over `completion_ids`.
+    weight_version_spans: list[dict[str, Any]] | None = None
     tokenizer: TokenizerInfo
 
     @model_validator(mode="after")
@@ -104,7 +109,7 @@ class TurnRecord(BaseModel):
 OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
-    "left_out": None,
+    "left_out": None, "weight_version": None, "weight_version_spans": None,
 }  # fmt: skip
 
 

@@ -128,6 +128,12 @@ class ReplicaConfig(BaseModel):
         default=0.0, description="scoring only (/generate): logprobs of a 'newer checkpoint', shifted by this much"
     )
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
+    weight_version: str = Field(
+        default="default",
+        description="what meta_info.weight_version and the response's metadata.weight_version say (sglang's "
+        "--weight-version; a test may change it between requests, as an update_weights call would); like sglang, "
+        "streamed chat chunks carry none",
+    )
     prefix_cache: bool = Field(
         default=True,
         description="simulate sglang's radix cache: meta_info.cached_tokens = longest prefix shared "
@@ -990,7 +996,7 @@ class ReferenceBackend(ServedApp):
             "id": gen.rid,
             "finish_reason": dict(gen.finish),
             "prompt_tokens": len(gen.prompt_ids),
-            "weight_version": "default",
+            "weight_version": self.config.weight_version,
             "completion_tokens": len(gen.completion_ids),
             "cached_tokens": gen.cached_tokens,
             "reasoning_tokens": gen.reasoning_tokens,
@@ -1074,7 +1080,7 @@ class ReferenceBackend(ServedApp):
             "model": gen.model,
             "choices": [choice],
             "usage": self._usage(gen),
-            "metadata": {"weight_version": "default"},
+            "metadata": {"weight_version": self.config.weight_version},
         }
         ext = self._sglext(body, request, gen)
         if ext:

@@ -127,6 +127,16 @@ class VllmReplicaConfig(BaseModel):
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering each generate call")
     stream_delay_s: float = Field(default=0.0, ge=0.0, description="sleep between streamed generate events")
+    weight_version: str = Field(
+        default="default",
+        description="0.32: the version in each generate choice's weight_versions span (a test may change it "
+        "between requests, as a weight update would)",
+    )
+    previous_weight_version: str | None = Field(
+        default=None,
+        description="0.32: weights updated during every generation: the first half of its tokens report this "
+        "version and the rest weight_version (two weight_versions spans)",
+    )
 
 
 class _HttpError(Exception):
@@ -800,7 +810,7 @@ class VllmReplica(ServedApp):
             "token_ids": self._ids_with_fault(ids, fault),
             "routed_experts": None,
             "sampling_mask": None,
-            "weight_versions": [{"version": "default", "start": 0, "end": len(ids)}],
+            "weight_versions": self._weight_versions(len(ids)),
             "logprobs": logprobs,
         }
         if fault == "missing_ids":
@@ -820,6 +830,13 @@ class VllmReplica(ServedApp):
             "output_mode": "tokens",
             "choices": [choice],
         }
+
+    def _weight_versions(self, n: int) -> list[dict[str, Any]]:
+        """0.32's spans of the weights that sampled `n` output tokens."""
+        now, before = self.config.weight_version, self.config.previous_weight_version
+        if before is None or n < 2:
+            return [{"version": now, "start": 0, "end": n}]
+        return [{"version": before, "start": 0, "end": n // 2}, {"version": now, "start": n // 2, "end": n}]
 
     @staticmethod
     def _usage(prompt: int, completion: int) -> dict[str, Any]:
@@ -844,7 +861,7 @@ class VllmReplica(ServedApp):
                 "token_ids": self._ids_with_fault([tid], fault),
                 "routed_experts": None,
                 "sampling_mask": None,
-                "weight_versions": [{"version": "default", "start": 0, "end": n}] if last else None,
+                "weight_versions": self._weight_versions(n) if last else None,
                 "logprobs": self._logprobs(gen, i, i + 1, fault),
             }
             if fault == "missing_ids":

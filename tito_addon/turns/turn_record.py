@@ -102,6 +102,8 @@ def completed_turn(
         ambiguous_parent=prepared.attachment.ambiguous and parent is not None,
         render_skew=result.extra.get("render_skew"),
         backend_version=result.extra.get("backend_version"),
+        weight_version=result.weight_version,
+        weight_version_spans=result.weight_version_spans,
         tokenizer=TokenizerInfo(
             name=engine.tokenizer_name,
             tokenizer_sha256=engine.tokenizer_sha256,
