@@ -1,5 +1,5 @@
 """The backend's weight version of each turn: the openai SDK -> a real mitmdump -> a replica whose weights change
-between (and, on vLLM, during) turns, recorded on the turn's line.
+between (and, on vLLM, during) turns; recorded on the turn's line and exported one entry per turn of a branch.
 
 Where each backend reports it: sglang's `meta_info.weight_version` (a whole chat completion; the live sglext stream
 of 0.5.20+ carries none, as sglang's stream chunks declare no `metadata`, so a turn streamed live records none, while
@@ -22,6 +22,7 @@ from tito_addon.records.record_reader import read_session
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+from tito_addon.tools.trainer_export import session_rows
 
 BACKENDS = ["sglang-0.5.23", "sglang-0.5.13", "vllm-0.32.0", "vllm-0.24.0"]
 
@@ -104,6 +105,10 @@ def test_each_turn_records_the_weights_that_sampled_it(stack: Stack, stream: boo
     assert [line.get("weight_version") for line in lines] == expected
     assert all(("weight_version" in line) == (value is not None) for line, value in zip(lines, expected, strict=True))
     assert not any("weight_version_spans" in line for line in lines)
+    # Exported one entry per turn of the branch, in every layout.
+    for layout in ("generic", "verl", "slime"):
+        (row,) = session_rows(recorded, layout)
+        assert row["weight_versions"] == expected and row["turn_ids"] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -122,3 +127,5 @@ def test_a_weight_update_during_a_turn_records_its_spans(stack: Stack, stream: b
             {"version": "w4", "start": 0, "end": n // 2},
             {"version": version, "start": n // 2, "end": n},
         ]
+    (row,) = session_rows(recorded, "verl")
+    assert row["weight_versions"] == ["w5", "w6"]

@@ -2,6 +2,8 @@
 
 python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
 python -m tito_addon show RECORD_DIR [--json]  print recorded turns
+python -m tito_addon export RECORD_DIR OUT [--format generic|verl|slime] [--to parquet|jsonl] [--session ID]...
+                                               one row per branch, for trainers
 python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
 python -m tito_addon demo                      an end-to-end capture against the reference backend
 python -m tito_addon verify-template --tokenizer PATH [--family NAME] [--chat-template-kwargs JSON]
@@ -83,23 +85,44 @@ def show(argv: list[str]) -> int:
 def export_command(argv: list[str]) -> int:
     from rich.progress import Progress
 
-    from tito_addon.tools.trainer_export import FORMATS, export
+    from tito_addon.tools.trainer_export import FILE_TYPES, FORMATS, export, resolve_format
 
     parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export branches for trainers.")
     parser.add_argument("record_dir", type=Path)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--format", choices=FORMATS, default="parquet")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="generic",
+        help="row layout: generic, verl or slime; parquet or jsonl: the generic layout in that file type",
+    )
+    parser.add_argument("--to", choices=FILE_TYPES, help="file type (default: parquet)")
+    parser.add_argument("--session", action="append", metavar="ID", help="export only this session (repeatable)")
     args = parser.parse_args(argv)
     try:
+        layout, file_type = resolve_format(args.format, args.to)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         # Sessions, not files: one session may have a part per writer process.
-        sessions = len(session_parts(args.record_dir)) if args.record_dir.is_dir() else 0
+        if args.session:
+            sessions = len(dict.fromkeys(args.session))
+        else:
+            sessions = len(session_parts(args.record_dir)) if args.record_dir.is_dir() else 0
         with Progress(transient=True) as progress:
             task = progress.add_task("exporting sessions", total=sessions)
-            rows = export(args.record_dir, args.out, args.format, lambda: progress.advance(task))
+            rows = export(
+                args.record_dir,
+                args.out,
+                layout,
+                lambda: progress.advance(task),
+                file_type=file_type,
+                sessions=args.session,
+            )
     except RecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{rows} branches from {sessions} sessions written to {args.out} ({args.format})")
+    print(f"{rows} branches from {sessions} sessions written to {args.out} ({layout}, {file_type})")
     return 0
 
 

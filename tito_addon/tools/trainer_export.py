@@ -1,51 +1,72 @@
-"""Export recordings for trainers: one row per branch (a root-to-leaf path of a session tree).
+"""Export recordings for trainers: one row per branch (a root-to-leaf path of a session tree), in one of three layouts.
 
-A row holds the branch's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
-`loss_mask` (1 exactly on the tokens the model sampled, in every turn of the branch), `rollout_logprobs` (the
-sampled tokens' logprobs at their positions, 0 elsewhere), the conversation, per-turn finish reasons, the model
-and the tokenizer/template hashes that produced the ids.
+- generic: the branch's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
+  `loss_mask` (1 exactly on the tokens the model sampled, in every turn of the branch), `rollout_logprobs` (the
+  sampled tokens' logprobs at their positions, 0 elsewhere), the conversation, per-turn finish reasons, the model
+  and the tokenizer/template hashes that produced the ids.
+- verl: the split of verl's agent loop (`verl/experimental/agent_loop/agent_loop.py`): `prompts` is the first turn's
+  prompt, `responses` everything after it (every sampled completion and the tool results and user turns between
+  them), `response_mask` 1 on sampled tokens, `rollout_log_probs` aligned with `responses`, `rm_scores` the reward on
+  the last response token, `uid` the GRPO group (the session).
+- slime: the fields of slime's `Sample` (`slime/utils/types.py`): `tokens` (the whole branch), `response_length`,
+  `loss_mask` and `rollout_log_probs` over the response part only, `prompt`/`response` text, `status`, `reward`.
+
+Every layout also carries the branch's ids (`session_id`, `leaf_turn_id`, `turn_ids`), what a driver's annotations
+say about it (`reward`, `labels`, `metadata` as JSON; see `records/annotations`), the backend's weight version of
+each turn (`weight_versions`) and the model and tokenizer hashes. The README's export section maps each field to its
+source. Parquet output has one fixed schema per layout and no timestamps, so equal rows give equal bytes.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_reader import SessionFile, iter_session_files
+from tito_addon.records.annotations import BranchNotes, branch_notes
+from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files, read_session
 
-FORMATS = ("parquet", "jsonl")
+LAYOUTS = ("generic", "verl", "slime")
+FILE_TYPES = ("parquet", "jsonl")
+# `--format`: a layout, or (as before layouts existed) a file type, which then means the generic layout.
+FORMATS = LAYOUTS + FILE_TYPES
+# slime's `Sample.Status` values by the leaf turn's finish reason (slime reads sglang's `finish_reason.type`: length
+# -> truncated, abort -> aborted, stop -> completed); tool_calls and every other reason end a turn normally.
+SLIME_STATUS = {"length": "truncated", "abort": "aborted"}
+
+
+class ExportError(RecordError):
+    """A recording that cannot be exported in the asked layout (a tokenizer the slime text needs is missing)."""
 
 
 @dataclass(frozen=True)
-class BranchRow:
-    session_id: str
-    leaf_turn_id: int
-    turn_ids: list[int]
-    input_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
+class Branch:
+    """One root-to-leaf path: its full ids, where the model sampled, and what the annotations say of it."""
+
+    path: list[TurnRecord]
+    ids: list[int]  # the leaf's prompt + completion
+    mask: list[int]  # 1 on every sampled token of every turn of the path
+    logprobs: list[float]  # the sampled tokens' logprobs at their positions, 0 elsewhere
     messages: list[dict[str, Any]] | None  # None when the session was recorded without message text
-    finish_reasons: list[str | None]
-    model: str | None
-    tokenizer: str
-    tokenizer_sha256: str
-    template_sha256: str
+    notes: BranchNotes
 
-    def as_dict(self) -> dict[str, Any]:
-        row = dict(self.__dict__)
-        row["messages"] = json.dumps(self.messages, ensure_ascii=False)  # one column, any message shape
-        return row
+    @property
+    def prompt_len(self) -> int:
+        """The first turn's prompt: the part no turn of the branch sampled or appended."""
+        return self.path[0].prompt_len
 
 
-def branches(session_file: SessionFile) -> Iterator[BranchRow]:
+def branches(session_file: SessionFile) -> list[Branch]:
     """Every root-to-leaf path of the session's tree, in the order the leaves were recorded."""
     ids = session_file.full_ids()
+    out: list[Branch] = []
     for path in session_file.branches():
-        leaf = path[-1]
-        prompt, completion = ids[leaf.turn_id]
+        prompt, completion = ids[path[-1].turn_id]
         sequence = prompt + completion
         mask = [0] * len(sequence)
         logprobs = [0.0] * len(sequence)
@@ -59,56 +80,247 @@ def branches(session_file: SessionFile) -> Iterator[BranchRow]:
                 messages += turn.appended_messages + [turn.assistant_message]
             else:
                 messages = None
-        yield BranchRow(
-            session_id=leaf.session_id,
-            leaf_turn_id=leaf.turn_id,
-            turn_ids=[t.turn_id for t in path],
-            input_ids=sequence,
-            loss_mask=mask,
-            rollout_logprobs=logprobs,
-            messages=messages,
-            finish_reasons=[t.finish_reason for t in path],
-            model=leaf.model,
-            tokenizer=leaf.tokenizer.name,
-            tokenizer_sha256=leaf.tokenizer.tokenizer_sha256,
-            template_sha256=leaf.tokenizer.template_sha256,
-        )
+        notes = branch_notes(session_file.annotations, [t.turn_id for t in path])
+        out.append(Branch(path, sequence, mask, logprobs, messages, notes))
+    return out
 
 
-def export(record_dir: Path, out: Path, fmt: str, progress: Any = None) -> int:
-    """Write every branch of every session under `record_dir` to `out`; returns the number of rows."""
-    if fmt not in FORMATS:
+def _head(branch: Branch) -> dict[str, Any]:
+    leaf = branch.path[-1]
+    return {"session_id": leaf.session_id, "leaf_turn_id": leaf.turn_id, "turn_ids": [t.turn_id for t in branch.path]}
+
+
+def _tail(branch: Branch) -> dict[str, Any]:
+    leaf, notes = branch.path[-1], branch.notes
+    metadata = None if notes.metadata is None else json.dumps(notes.metadata, ensure_ascii=False, allow_nan=False)
+    return {
+        "reward": notes.reward,
+        "labels": list(notes.labels),
+        "metadata": metadata,  # one column, any JSON shape
+        "weight_versions": [t.weight_version for t in branch.path],
+        "model": leaf.model,
+        "tokenizer": leaf.tokenizer.name,
+        "tokenizer_sha256": leaf.tokenizer.tokenizer_sha256,
+        "template_sha256": leaf.tokenizer.template_sha256,
+    }
+
+
+def generic_row(branch: Branch) -> dict[str, Any]:
+    return {
+        **_head(branch),
+        "input_ids": branch.ids,
+        "loss_mask": branch.mask,
+        "rollout_logprobs": branch.logprobs,
+        "messages": json.dumps(branch.messages, ensure_ascii=False),
+        "finish_reasons": [t.finish_reason for t in branch.path],
+        **_tail(branch),
+    }
+
+
+def verl_num_turns(path: list[TurnRecord]) -> int:
+    """verl's `num_turns` (user + assistant turns + 1 in its tool agent loop): the first prompt, each assistant
+    turn, and each batch of messages (tool results, a user turn) a later turn appended."""
+    appended = sum(1 for t in path[1:] if t.appended_messages or t.appended_keys)
+    return 1 + len(path) + appended
+
+
+def verl_row(branch: Branch) -> dict[str, Any]:
+    cut = branch.prompt_len
+    responses = branch.ids[cut:]
+    reward = branch.notes.reward
+    rm_scores = None if reward is None else [0.0] * (len(responses) - 1) + [reward]
+    return {
+        **_head(branch),
+        "uid": branch.path[-1].session_id,  # the GRPO group: a group's samples are branches of one session
+        "prompts": branch.ids[:cut],
+        "responses": responses,
+        "response_mask": branch.mask[cut:],
+        "input_ids": branch.ids,
+        "rollout_log_probs": branch.logprobs[cut:],
+        "rm_scores": rm_scores,
+        "reward_score": reward,
+        "__num_turns__": verl_num_turns(branch.path),
+        "finish_reasons": [t.finish_reason for t in branch.path],
+        **_tail(branch),
+    }
+
+
+@functools.cache
+def _decoder(name: str) -> Callable[[list[int]], str]:
+    """The recorded tokenizer's decode (transformers directly, so the rows need nothing of the engine layer)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+        message = f"the slime layout decodes prompt and response text: cannot load tokenizer {name!r}: {exc}"
+        raise ExportError(message) from exc
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    return decode
+
+
+def slime_row(branch: Branch, index: int = 0, group_index: int = 0) -> dict[str, Any]:
+    cut = branch.prompt_len
+    leaf = branch.path[-1]
+    decode = _decoder(leaf.tokenizer.name)
+    return {
+        **_head(branch),
+        "group_index": group_index,
+        "index": index,
+        "prompt": decode(branch.ids[:cut]),
+        "tokens": branch.ids,
+        "response": decode(branch.ids[cut:]),
+        "response_length": len(branch.ids) - cut,
+        "loss_mask": branch.mask[cut:],
+        "rollout_log_probs": branch.logprobs[cut:],
+        "status": SLIME_STATUS.get(leaf.finish_reason or "", "completed"),
+        **_tail(branch),
+    }
+
+
+def session_rows(session_file: SessionFile, layout: str) -> list[dict[str, Any]]:
+    """The rows of one session's branches in `layout` (one of `LAYOUTS`).
+
+    slime rows number their branches from 0 (`index`) in group 0 (`group_index`); `export` renumbers them across
+    the sessions it writes together (one session alone keeps these numbers)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    found = branches(session_file)
+    if layout == "verl":
+        return [verl_row(branch) for branch in found]
+    if layout == "slime":
+        return [slime_row(branch, index) for index, branch in enumerate(found)]
+    return [generic_row(branch) for branch in found]
+
+
+@functools.cache
+def schema(layout: str) -> Any:
+    """The Parquet schema of a layout: fixed, so every export of a layout has the same columns and types."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    import pyarrow as pa
+
+    ids, mask, floats, strings = (
+        pa.list_(pa.int64()),
+        pa.list_(pa.int8()),
+        pa.list_(pa.float64()),
+        pa.list_(pa.string()),
+    )
+    head = [("session_id", pa.string()), ("leaf_turn_id", pa.int64()), ("turn_ids", ids)]
+    tail = [
+        ("reward", pa.float64()),
+        ("labels", strings),
+        ("metadata", pa.string()),
+        ("weight_versions", strings),
+        ("model", pa.string()),
+        ("tokenizer", pa.string()),
+        ("tokenizer_sha256", pa.string()),
+        ("template_sha256", pa.string()),
+    ]
+    body = {
+        "generic": [
+            ("input_ids", ids),
+            ("loss_mask", mask),
+            ("rollout_logprobs", floats),
+            ("messages", pa.string()),
+            ("finish_reasons", strings),
+        ],
+        "verl": [
+            ("uid", pa.string()),
+            ("prompts", ids),
+            ("responses", ids),
+            ("response_mask", mask),
+            ("input_ids", ids),
+            ("rollout_log_probs", floats),
+            ("rm_scores", floats),
+            ("reward_score", pa.float64()),
+            ("__num_turns__", pa.int32()),
+            ("finish_reasons", strings),
+        ],
+        "slime": [
+            ("group_index", pa.int64()),
+            ("index", pa.int64()),
+            ("prompt", pa.string()),
+            ("tokens", ids),
+            ("response", pa.string()),
+            ("response_length", pa.int64()),
+            ("loss_mask", mask),
+            ("rollout_log_probs", floats),
+            ("status", pa.string()),
+        ],
+    }[layout]
+    return pa.schema(head + body + tail)
+
+
+def encode_rows(rows: list[dict[str, Any]], layout: str, file_type: str) -> bytes:
+    """The exact bytes `export` writes for `rows` of `layout`: Parquet (one fixed schema per layout, no timestamps:
+    equal rows give equal bytes) or JSON Lines (one strict-JSON object per row, columns in schema order)."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"unknown file type {file_type!r}; choose one of: {', '.join(FILE_TYPES)}")
+    columns = schema(layout).names  # also refuses an unknown layout
+    for row in rows:
+        if list(row) != columns:
+            raise ValueError(f"a row does not have the {layout} columns: {sorted(set(row) ^ set(columns))}")
+    if file_type == "jsonl":
+        lines = (json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
+        return "".join(lines).encode("utf-8")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema(layout)), sink)
+    return sink.getvalue()
+
+
+def resolve_format(fmt: str, file_type: str | None = None) -> tuple[str, str]:
+    """(layout, file type) from `--format` and `--to`: `parquet`/`jsonl` as a format is the generic layout."""
+    if fmt in FILE_TYPES:
+        if file_type not in (None, fmt):
+            raise ValueError(f"--format {fmt} is the generic layout as {fmt}; it cannot be written as {file_type}")
+        return "generic", fmt
+    if fmt not in LAYOUTS:
         raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    files = list(iter_session_files(record_dir))
+    return fmt, file_type or "parquet"
+
+
+def export(
+    record_dir: Path,
+    out: Path,
+    fmt: str = "generic",
+    progress: Any = None,
+    *,
+    file_type: str | None = None,
+    sessions: list[str] | None = None,
+) -> int:
+    """Write every branch of every session under `record_dir` (or of the named `sessions` only) to `out`;
+    returns the number of rows."""
+    layout, file_type = resolve_format(fmt, file_type)
+    if not record_dir.is_dir():
+        raise RecordError(f"{record_dir} is not a directory")
+    if sessions:
+        files: list[SessionFile] = []
+        for session_id in dict.fromkeys(sessions):
+            found = read_session(record_dir, session_id)
+            if found is None:
+                raise RecordError(f"no session {session_id!r} in {record_dir}")
+            files.append(found)
+    else:
+        files = list(iter_session_files(record_dir))
     rows: list[dict[str, Any]] = []
-    for session_file in files:
-        rows += [row.as_dict() for row in branches(session_file)]
+    for group, session_file in enumerate(files):
+        part = session_rows(session_file, layout)
+        if layout == "slime":
+            for row in part:
+                row["group_index"], row["index"] = group, len(rows)
+                rows.append(row)
+        else:
+            rows += part
         if progress is not None:
             progress()
+    data = encode_rows(rows, layout, file_type)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "jsonl":
-        with out.open("w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        schema = pa.schema(
-            [
-                ("session_id", pa.string()),
-                ("leaf_turn_id", pa.int64()),
-                ("turn_ids", pa.list_(pa.int64())),
-                ("input_ids", pa.list_(pa.int64())),
-                ("loss_mask", pa.list_(pa.int8())),
-                ("rollout_logprobs", pa.list_(pa.float64())),
-                ("messages", pa.string()),
-                ("finish_reasons", pa.list_(pa.string())),
-                ("model", pa.string()),
-                ("tokenizer", pa.string()),
-                ("tokenizer_sha256", pa.string()),
-                ("template_sha256", pa.string()),
-            ]
-        )
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
+    out.write_bytes(data)
     return len(rows)
