@@ -234,3 +234,39 @@ def test_a_withdrawn_turn_is_left_out_but_its_id_stays_used(tmp_path: Path) -> N
     assert session.highest_turn_id == leaf + 10
     result = cli("show", str(tmp_path), "--json")
     assert result.returncode == 0 and len(result.stdout.splitlines()) == len(TREE), result.stderr[-2000:]
+
+
+def test_annotations_are_read_from_every_part_and_change_no_trajectory(tmp_path: Path) -> None:
+    """A driver's annotation lines (in any writer's part, after the close line too) are read as annotations, in
+    time order; the turns, their ids, resume's next id and replay are as without them, and no line is skipped."""
+    from tito_addon.records.annotations import branch_notes
+    from tito_addon.records.record_models import AnnotationRecord
+
+    writers = record(tmp_path, "s")
+    writers["b"].write_annotation(AnnotationRecord(session_id="s", reward=0.5, labels=["x"], ts=10.0))
+    writers["a"].write_annotation(AnnotationRecord(session_id="s", turn_id=4, reward=1.0, metadata={"k": 1}, ts=11.0))
+    writers["c"].write_annotation(AnnotationRecord(session_id="s", turn_id=2, labels=["y", "x"], ts=12.0))
+    session = read_session(tmp_path, "s")
+    assert session is not None and session.skipped == [] and session.full_ids() == expected_ids()
+    assert [(a.turn_id, a.ts) for a in session.annotations] == [(None, 10.0), (4, 11.0), (2, 12.0)]
+    assert session.highest_turn_id == max(TREE) and ReplayIndex.load(tmp_path).turns == len(TREE)
+    # Branch 0-1-2-4 takes turn 4's reward (the deepest); branch 0-1-2-5 the session's; branch 0-3 too.
+    assert branch_notes(session.annotations, [0, 1, 2, 4]).reward == 1.0
+    five = branch_notes(session.annotations, [0, 1, 2, 5])
+    assert (five.reward, five.labels, five.metadata) == (0.5, ["x", "y"], None)
+    assert branch_notes(session.annotations, [0, 3]).labels == ["x"]
+
+
+def test_no_session_id_names_another_sessions_digest_file(tmp_path: Path) -> None:
+    """`team/run-1` is recorded as `sid-<digest>.jsonl`; the id `sid-<digest>` (or `SID-…`) must name a file of its
+    own, or an agent could append its turns to another session's record."""
+    digested = session_file_name("team/run-1")
+    alias = digested.removesuffix(".jsonl")
+    for candidate in (alias, alias.upper(), "sid-x"):
+        assert session_file_name(candidate) != digested and session_file_name(candidate).startswith("sid-")
+    assert session_file_name("agent-7") == "agent-7.jsonl"
+    TrajectoryRecorder(tmp_path).write_turn(turn("team/run-1", 0))
+    TrajectoryRecorder(tmp_path).write_turn(turn(alias, 0))
+    own, other = read_session(tmp_path, "team/run-1"), read_session(tmp_path, alias)
+    assert own is not None and other is not None
+    assert {t.session_id for t in own.turns} == {"team/run-1"} and {t.session_id for t in other.turns} == {alias}

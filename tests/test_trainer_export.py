@@ -17,10 +17,10 @@ from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import read_session, read_session_file
+from tito_addon.records.trainer_rows import encode_rows, schema, session_rows
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.sessions.session_tree import SessionStore
-from tito_addon.tools.trainer_export import encode_rows, schema, session_rows
 from tito_addon.turns.turn_service import TurnService
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,10 +19,10 @@ from conftest import TOOLS, echo, tokenizer_path
 from proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session
+from tito_addon.records.trainer_rows import session_rows
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
-from tito_addon.tools.trainer_export import session_rows
 
 BACKENDS = ["sglang-0.5.23", "sglang-0.5.13", "vllm-0.32.0", "vllm-0.24.0"]
 

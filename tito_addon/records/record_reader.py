@@ -60,6 +60,17 @@ class SessionFile:
             self.turns = [t for t in self.turns if t.turn_id not in gone]
 
     @property
+    def closed_by_driver(self) -> bool:
+        """Whether the session's latest close is its driver's (the control API), not an idle or capacity close."""
+        return bool(self.closes) and self.closes[-1].reason == "closed"
+
+    def turns_since_driver_close(self) -> list[TurnRecord]:
+        """The turns a resume puts back: those after the driver's latest close (with `tito_after_close=new` a name
+        starts a new tree after it; the closed episode's turns stay recorded but nothing extends them)."""
+        since = max((close.ts for close in self.closes if close.reason == "closed"), default=None)
+        return self.turns if since is None else [turn for turn in self.turns if turn.ts > since]
+
+    @property
     def highest_turn_id(self) -> int:
         """The highest turn id this session's record has used (withdrawn ones too), -1 when none."""
         return max([t.turn_id for t in self.turns] + [w.turn_id for w in self.withdrawn], default=-1)

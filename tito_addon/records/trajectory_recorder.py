@@ -30,13 +30,15 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 WRITER_SEPARATOR = "+"
 SUFFIX = ".jsonl"
+DIGESTED = "sid-"
 
 
 def session_file_name(session_id: str) -> str:
-    """A file name that is the id itself when harmless, else a digest of it; never a path."""
-    if _SAFE_NAME.fullmatch(session_id) and ".." not in session_id:
+    """A file name that is the id itself when harmless, else a digest of it; never a path. An id that looks like a
+    digest name (`sid-…`) is digested too, so no id can name another session's file."""
+    if _SAFE_NAME.fullmatch(session_id) and ".." not in session_id and not session_id.lower().startswith(DIGESTED):
         return f"{session_id}.jsonl"
-    return f"sid-{hashlib.sha256(session_id.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}.jsonl"
+    return f"{DIGESTED}{hashlib.sha256(session_id.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}.jsonl"
 
 
 def check_writer_id(writer: str) -> str:

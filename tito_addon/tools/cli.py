@@ -85,7 +85,7 @@ def show(argv: list[str]) -> int:
 def export_command(argv: list[str]) -> int:
     from rich.progress import Progress
 
-    from tito_addon.tools.trainer_export import FILE_TYPES, FORMATS, export, resolve_format
+    from tito_addon.records.trainer_rows import FILE_TYPES, FORMATS, export, resolve_format
 
     parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export branches for trainers.")
     parser.add_argument("record_dir", type=Path)

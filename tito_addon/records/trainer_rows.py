@@ -1,4 +1,5 @@
-"""Export recordings for trainers: one row per branch (a root-to-leaf path of a session tree), in one of three layouts.
+"""Trainer rows from recordings, what `export` writes and the control API serves: one row per branch (a root-to-leaf
+path of a session tree), in one of three layouts.
 
 - generic: the branch's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
   `loss_mask` (1 exactly on the tokens the model sampled, in every turn of the branch), `rollout_logprobs` (the
