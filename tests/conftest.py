@@ -36,7 +36,10 @@ TOOLS = [
 ]
 HUB_NAMES = {"qwen3": "Qwen/Qwen3-8B", "qwen2.5": "Qwen/Qwen2.5-7B-Instruct"}
 # The API keys the tests send (long enough to be unmistakable); none may appear in a recording or a proxy log.
-API_KEYS = ("sk-tito-test-SECRET-4f9a1c", "sk-agent", "sk-client", "sk-tito-crash-KEY-77e1", "sk-tito-conc-KEY-3b02")
+API_KEYS = (
+    "sk-tito-test-SECRET-4f9a1c", "sk-agent", "sk-client", "sk-tito-crash-KEY-77e1", "sk-tito-conc-KEY-3b02",
+    "sk-ep-ep-r", "sk-ep-node-episode", "sk-ep-cc-episode", "sk-ep-cx-ep", "backend-SECRET-key-9d2e",
+)  # fmt: skip
 # A header or key shape (`Authorization: …`, `"authorization": …`), not the word: real agents' system prompts say
 # "authorization" in prose (Claude Code: "require clear authorization context"), and their text is recorded.
 CREDENTIAL = re.compile(r"bearer\s+\S|authorization[\"']?\s*[:=]", re.IGNORECASE)

@@ -13,7 +13,7 @@ from tito_addon.protocols.openai_responses import OpenAIResponsesApi
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.tito_errors import BadRequest
-from tito_addon.turns.turn_service import matched_stop
+from tito_addon.turns.turn_replies import matched_stop
 
 SIGNER = TurnSigner(b"k" * 32)
 

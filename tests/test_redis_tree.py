@@ -276,3 +276,32 @@ def test_closing_an_automatic_session_removes_only_its_own_index_entries(redis_u
     assert after == (None, [[(sids[1], 0)]]), "only the closed session's entry went"
     assert regroup not in sids, "its GRPO group is free: the same first request starts a new session"
     assert reply is None and kept is not None and list(kept.added_ids) == [1]
+
+
+def test_a_driver_close_refuses_the_name_unless_new_trees_are_allowed(redis_url) -> None:
+    from tito_addon.tito_errors import SessionClosed
+
+    prefix = uuid.uuid4().hex
+    keys = [os.urandom(16) for _ in range(2)]
+
+    async def scenario():
+        a, b = tree(redis_url, prefix), tree(redis_url, prefix)
+        sid, t0 = await claim(a, "episode")
+        _, busy = await claim(a, "episode", parent_turn_id=None)
+        while_busy = await b.close_by_driver("episode", now_ms=now())
+        in_flight = await b.in_flight("episode", now_ms=now())
+        for turn in (t0, busy):
+            path = extend(ROOT, keys + [turn.to_bytes(16, "little")])
+            await a.commit(new_turn(sid, turn, automatic=False, keys=[*keys[:1], path[:16]], path=path), now_ms=now())
+        closed = await b.close_by_driver("episode", now_ms=now())
+        again = await a.close_by_driver("episode", now_ms=now())
+        unknown = await a.close_by_driver("never-seen", now_ms=now())
+        with pytest.raises(SessionClosed):
+            await claim(b, "episode")
+        _, reopened = await claim(b, "episode", reopen_closed=True)
+        return while_busy, in_flight, closed, again, unknown, reopened
+
+    while_busy, in_flight, closed, again, unknown, reopened = run(scenario())
+    assert while_busy == ("busy", 0) and in_flight == 2
+    assert closed == ("closed", 2) and again == ("already", 0) and unknown == ("unknown", 0)
+    assert reopened == 2, "a new tree under the name continues its turn ids"

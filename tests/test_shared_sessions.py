@@ -259,3 +259,37 @@ def test_vllm_turns_continue_across_proxies(redis, tmp_path) -> None:
         assert generated[index]["prompt_ids"] == prompt and generated[index]["completion_ids"] == completion
         assert prompt[: len(previous)] == previous, f"turn {index} does not extend the turn before it"
         previous = prompt + completion
+
+
+def test_a_driver_closes_a_shared_session_for_every_proxy(replica, redis, tmp_path) -> None:
+    """The control API on either proxy sees the shared session; a close on one is a 409 for the name on both."""
+    from tito_addon.client import TitoClient
+
+    token = "control-token-shared-0123456789"
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    proxies = [start(replica, redis, record_dir, tmp_path / f"p{i}", tito_control_token=token) for i in range(2)]
+    try:
+        alternate(proxies, 2, session="ep-shared")
+        with TitoClient(proxies[0].url, token) as first, TitoClient(proxies[1].url, token) as second:
+            live = {row["session_id"]: row for row in first.sessions(live=True)}
+            assert live["ep-shared"]["live"] is True
+            assert second.session("ep-shared")["turns"] == 2 and second.wait_idle("ep-shared") is True
+            second.annotate("ep-shared", reward=1.0)
+            assert [row["reward"] for row in first.rows("ep-shared")] == [1.0]
+            assert second.close("ep-shared") == {
+                "session_id": "ep-shared", "closed": True, "turns": 2, "already_closed": False
+            }  # fmt: skip
+            assert first.session("ep-shared")["live"] is False
+            before = {p.name: p.read_bytes() for p in record_dir.glob("*.jsonl")}
+            for proxy in proxies:
+                with pytest.raises(openai.ConflictError, match="closed by its driver"):
+                    alternate([proxy], 1, session="ep-shared")
+            assert {p.name: p.read_bytes() for p in record_dir.glob("*.jsonl")} == before
+            assert len(replica.received()) == 2, "nothing was forwarded for the closed name"
+            assert first.close("ep-shared")["already_closed"] is True
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    recorded = read_session(record_dir, "ep-shared")
+    assert recorded is not None and [c.reason for c in recorded.closes] == ["closed"]

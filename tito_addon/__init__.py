@@ -25,9 +25,13 @@ if __name__.startswith("__mitmproxy_script__."):
     for _name in [n for n in _sys.modules if n == "tito_addon" or n.startswith("tito_addon.")]:
         del _sys.modules[_name]
     from tito_addon.proxy.capture_addon import TitoAddon as _TitoAddon
+    from tito_addon.proxy.control_addon import ControlAddon as _ControlAddon
+    from tito_addon.proxy.episode_naming import EpisodeNaming as _EpisodeNaming
     from tito_addon.proxy.replay_addon import TitoReplay as _TitoReplay
 
-    # Replay first: a recorded answer is served before the capture addon would go to the backend.
-    addons = [_TitoReplay(), _TitoAddon()]
+    _capture = _TitoAddon()
+    # The control API answers its own host first; episode names are read (and API keys swapped) before any other
+    # hook sees the request; replay then serves a recorded answer before the capture addon would go to the backend.
+    addons = [_ControlAddon(_capture), _EpisodeNaming(_capture.goes_to_backend), _TitoReplay(), _capture]
 else:
     __version__ = "0.1.0"

@@ -70,3 +70,17 @@ class UpstreamPassthrough(Exception):
         self.status = status
         self.body = body
         self.content_type = content_type or "application/json"
+
+
+class SessionClosed(TitoError):
+    """A request names a session its rollout driver closed, and `tito_after_close` is `refuse`."""
+
+    status = 409
+    error_type = "session_closed"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id!r} was closed by its driver; its name is not reused (tito_after_close=refuse); "
+            "nothing was forwarded"
+        )
+        self.session_id = session_id

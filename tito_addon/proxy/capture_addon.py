@@ -30,6 +30,7 @@ from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
+from tito_addon.proxy.episode_naming import EPISODE
 from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.proxy.shared_store import SharedStore
 from tito_addon.proxy.tito_settings import TitoSettings
@@ -146,6 +147,13 @@ class TitoAddon:
             "shared by every proxy that names it, so any of them serves any turn of any session.",
         )
         loader.add_option(
+            "tito_after_close",
+            str,
+            "refuse",
+            "A request naming a session its driver closed (control API): refuse (409, nothing forwarded) or new (the "
+            "name starts a new tree; turn ids continue, nothing extends the closed turns).",
+        )
+        loader.add_option(
             "tito_max_sessions",
             int,
             10000,
@@ -186,6 +194,7 @@ class TitoAddon:
                 max_sessions=opts.tito_max_sessions,
                 signing_key=opts.tito_signing_key,
                 session_store=opts.tito_session_store,
+                after_close=opts.tito_after_close,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -213,6 +222,7 @@ class TitoAddon:
             record_message_text=settings.record_message_text,
             signer=self._signer(settings),
             shared=shared,
+            after_close=settings.after_close,
         )
         logger.info(
             "tito: %s backend, tokenizer %s, family %s, recording to %s, sessions in %s",
@@ -315,6 +325,10 @@ class TitoAddon:
             port=flow.request.port,
         )
 
+    def goes_to_backend(self, flow: http.HTTPFlow) -> bool:
+        """Whether a flow goes to a configured backend (the only hosts that may receive the backend's API key)."""
+        return self.settings is not None and self.backend_base_url(flow) is not None
+
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.error is not None or not flow.live:
             return
@@ -373,7 +387,7 @@ class TitoAddon:
         def on_commit(metadata: dict[str, Any]) -> None:
             flow.metadata["tito"] = metadata
 
-        job = StreamJob(self.service, flow.request.path, headers, body, base_url, on_commit)
+        job = StreamJob(self.service, flow.request.path, headers, body, base_url, on_commit, flow.metadata.get(EPISODE))
         path = self.live.park(job)
         flow.metadata["tito_live"] = True
         flow.request.scheme, flow.request.host, flow.request.port, flow.request.path = "http", "127.0.0.1", port, path
@@ -437,7 +451,7 @@ class TitoAddon:
             return json_reply(400, TitoError("request body has an invalid content-encoding", status=400).body())
         headers = {k: v for k, v in flow.request.headers.items()}
         assert base_url is not None  # request() only serves flows to backend hosts
-        return await self.service.handle(flow.request.path, headers, body, base_url)
+        return await self.service.handle(flow.request.path, headers, body, base_url, flow.metadata.get(EPISODE))
 
     def done(self) -> None:
         if self._sweeper is not None:

@@ -34,6 +34,7 @@ class StreamJob:
     base_url: str
     # Called with the turn's flow metadata once it is committed.
     on_commit: Callable[[dict[str, Any]], None] = field(default=lambda metadata: None)
+    episode: str | None = None  # the session its driver named through the proxy (`episode_naming`)
 
 
 class LiveStreamServer:
@@ -64,7 +65,7 @@ class LiveStreamServer:
         if job is None:
             return _as_response(json_reply(404, b'{"error": {"message": "no such live turn"}}'))
         try:
-            opened = await job.service.open_stream(job.path, job.headers, job.body, job.base_url)
+            opened = await job.service.open_stream(job.path, job.headers, job.body, job.base_url, job.episode)
         except Exception:
             logger.exception("tito: could not open a live stream")
             return _as_response(json_reply(500, b'{"error": {"message": "internal error in tito_addon"}}'))

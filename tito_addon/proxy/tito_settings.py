@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +36,7 @@ class TitoSettings(BaseModel):
     max_sessions: int = 10000
     signing_key: str = ""  # "": a key kept in the record dir
     session_store: str = "memory"  # or a Redis URL: sessions shared by every proxy that names it
+    after_close: Literal["refuse", "new"] = "refuse"  # a name its driver closed: refused, or a new tree
 
     @field_validator("session_store")
     @classmethod

@@ -36,127 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.sessions.message_keys import KEY_BYTES
-from tito_addon.tito_errors import TitoError
+from tito_addon.sessions.redis_scripts import CLAIM, CLOSE, COMMIT, RESTORE
+from tito_addon.tito_errors import SessionClosed, TitoError
 
 TURN = 4  # bytes of a packed turn id
 AUTO_ID = 32  # automatic session ids are 32 hex characters
 TOMBSTONE_S = 7 * 24 * 3600  # how long a closed session's turn counter outlives it
-
-CLAIM = """
-local P, sid, now = ARGV[5], ARGV[1], ARGV[7]
-if sid == '' then
-  sid = redis.call('HGET', KEYS[1], ARGV[2])
-  if not sid then
-    sid = ARGV[3]
-    redis.call('HSET', KEYS[1], ARGV[2], sid)
-    redis.call('HSET', P .. ':s:{' .. sid .. '}', 'automatic', 1, 'namespace', ARGV[4], 'nsh', ARGV[9],
-      'prompt', ARGV[2], 'created', now, 'next', 0, 'turns', 0, 'tokens', 0, 'closed', 0)
-  end
-end
-local meta = P .. ':s:{' .. sid .. '}'
-local closed = redis.call('HGET', meta, 'closed')
-if not closed then
-  if ARGV[6] ~= '1' then return {sid, -1} end
-  redis.call('HSET', meta, 'automatic', 0, 'namespace', '', 'nsh', ARGV[9], 'created', now, 'next', 0, 'turns', 0,
-    'tokens', 0, 'closed', 0)
-elseif closed == '1' then
-  if ARGV[6] ~= '1' or redis.call('HGET', meta, 'automatic') == '1' then return {sid, -1} end
-  redis.call('HSET', meta, 'closed', 0)
-  redis.call('PERSIST', meta)
-end
-if ARGV[10] ~= '' and redis.call('EXISTS', P .. ':n:{' .. sid .. '}:' .. ARGV[10]) == 0 then return {sid, -1} end
-local turn = redis.call('HINCRBY', meta, 'next', 1) - 1
-redis.call('ZADD', P .. ':b:{' .. sid .. '}', ARGV[8], turn)
-redis.call('ZADD', KEYS[2], now, sid)
-return {sid, turn}
-"""
-
-COMMIT = """
-if redis.call('HGET', KEYS[1], 'closed') ~= '0' then return 0 end
-redis.call('SET', KEYS[2], ARGV[1])
-local entries = redis.call('HGET', KEYS[3], ARGV[2]) or ''
-redis.call('HSET', KEYS[3], ARGV[2], entries .. ARGV[3])
-redis.call('APPEND', KEYS[7], ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'turns', 1)
-redis.call('HINCRBY', KEYS[1], 'tokens', tonumber(ARGV[5]))
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[4], ARGV[6], ARGV[7]) end
-redis.call('ZREM', KEYS[6], ARGV[8])
-redis.call('ZADD', KEYS[5], ARGV[9], ARGV[10])
-return 1
-"""
-
-CLOSE = """
-local sid, P, now = ARGV[1], ARGV[2], ARGV[3]
-local meta = P .. ':s:{' .. sid .. '}'
-local m = redis.call('HMGET', meta, 'closed', 'automatic', 'nsh', 'prompt', 'next', 'turns')
-if m[1] ~= '0' then redis.call('ZREM', KEYS[1], sid) return -1 end
-local busy = P .. ':b:{' .. sid .. '}'
-redis.call('ZREMRANGEBYSCORE', busy, '-inf', now)
-if redis.call('ZCARD', busy) > 0 then return -1 end
-if ARGV[4] ~= '' then
-  local score = redis.call('ZSCORE', KEYS[1], sid)
-  if score and tonumber(score) > tonumber(ARGV[4]) then return -1 end
-end
-local auto = m[2] == '1'
-local index = auto and (P .. ':ap:' .. m[3]) or (P .. ':p:{' .. sid .. '}')
-local ledgerkey = P .. ':x:{' .. sid .. '}'
-local ledger = redis.call('GET', ledgerkey) or ''
-local i = 1
-while i <= #ledger do
-  local path = string.sub(ledger, i, i + 15)
-  local size = string.byte(ledger, i + 16) + 256 * string.byte(ledger, i + 17)
-  local reply = string.sub(ledger, i + 18, i + 17 + size)
-  i = i + 18 + size
-  if auto then
-    local v = redis.call('HGET', index, path)
-    if v then
-      local kept = {}
-      for j = 1, #v, 36 do
-        local e = string.sub(v, j, j + 35)
-        if string.sub(e, 1, 32) ~= sid then kept[#kept + 1] = e end
-      end
-      if #kept == 0 then redis.call('HDEL', index, path) else redis.call('HSET', index, path, table.concat(kept)) end
-    end
-  end
-  if reply ~= '' then redis.call('HDEL', P .. ':r', reply) end
-end
-for t = 0, tonumber(m[5]) - 1 do redis.call('DEL', P .. ':n:{' .. sid .. '}:' .. t) end
-redis.call('DEL', ledgerkey)
-if not auto then redis.call('DEL', index) end
-if auto and m[4] then
-  local groups = P .. ':g:' .. m[3]
-  if redis.call('HGET', groups, m[4]) == sid then redis.call('HDEL', groups, m[4]) end
-end
-redis.call('DEL', busy)
-redis.call('HSET', meta, 'closed', 1)
-redis.call('EXPIRE', meta, ARGV[5])
-redis.call('ZREM', KEYS[1], sid)
-return tonumber(m[6])
-"""
-
-RESTORE = """
-local sid, now = ARGV[1], ARGV[2]
-local closed = redis.call('HGET', KEYS[1], 'closed')
-if closed == '0' then return 0 end
-local next = math.max(tonumber(redis.call('HGET', KEYS[1], 'next') or '0'), tonumber(ARGV[3]))
-local turns, tokens = 0, 0
-redis.call('DEL', KEYS[5])
-for i = 5, #ARGV, 7 do
-  local t = tonumber(ARGV[i])
-  redis.call('SET', ARGV[i + 1], ARGV[i + 2])
-  local entries = redis.call('HGET', KEYS[2], ARGV[i + 3]) or ''
-  redis.call('HSET', KEYS[2], ARGV[i + 3], entries .. ARGV[i + 4])
-  redis.call('APPEND', KEYS[5], ARGV[i + 5])
-  if ARGV[i + 6] ~= '' then redis.call('HSET', KEYS[3], ARGV[i + 6], sid .. '\\n' .. t) end
-  if t + 1 > next then next = t + 1 end
-  turns = turns + 1
-end
-redis.call('HSET', KEYS[1], 'automatic', 0, 'namespace', '', 'created', now, 'next', next, 'turns', turns,
-  'tokens', ARGV[4], 'closed', 0)
-redis.call('PERSIST', KEYS[1])
-redis.call('ZADD', KEYS[4], now, sid)
-return 1
-"""
 
 
 class StoreUnavailable(TitoError):
@@ -289,17 +174,22 @@ class RedisTree:
         busy_until_ms: int,
         create: bool = True,
         parent_turn_id: int | None = None,
+        reopen_closed: bool = False,
     ) -> tuple[str, int]:
         """A turn id in the session a turn belongs to, marked in flight until `busy_until_ms`: `session_id` when
         given, else the automatic session of its first request (`prompt`: the digest of those messages), made
         `fresh_id` if no proxy claimed that prompt yet. A given session that is closed (or missing) is reopened only
-        with `create`; a `parent_turn_id` that is gone raises SessionGone."""
+        with `create`, one its driver closed only with `reopen_closed` too (else SessionClosed); a `parent_turn_id` that
+        is gone raises SessionGone."""
         keys = [f"{self.prefix}:g:{namespace_hash(namespace)}", self._live]
         args = [
             session_id or "", prompt, fresh_id, namespace, self.prefix, "1" if create else "0", now_ms,
             busy_until_ms, namespace_hash(namespace), "" if parent_turn_id is None else parent_turn_id,
+            "1" if reopen_closed else "0",
         ]  # fmt: skip
         sid, turn = await self._run(self._claim(keys=keys, args=args))
+        if int(turn) == -2:
+            raise SessionClosed(_text(sid))
         if int(turn) < 0:
             raise SessionGone(_text(sid))
         return _text(sid), int(turn)
@@ -393,9 +283,33 @@ class RedisTree:
         """Close a live session unless a turn of it is in flight (or, with `idle_before_ms`, it was used since):
         its turns and indexes go, its turn counter stays (`TOMBSTONE_S`). The number of turns it had, or None when
         it was not closed here (another proxy closed it first, or it is busy)."""
-        args = [session_id, self.prefix, now_ms, "" if idle_before_ms is None else idle_before_ms, TOMBSTONE_S]
+        args = [session_id, self.prefix, now_ms, "" if idle_before_ms is None else idle_before_ms, TOMBSTONE_S, "0"]
         turns = await self._run(self._close(keys=[self._live], args=args))
         return None if int(turns) < 0 else int(turns)
+
+    async def close_by_driver(self, session_id: str, *, now_ms: int) -> tuple[str, int]:
+        """A rollout driver's close: ("closed", turns) when it closed the live session now, ("already", 0) when it
+        had closed before (now marked closed by its driver), ("busy", 0) with a turn in flight, ("unknown", 0)."""
+        args = [session_id, self.prefix, now_ms, "", TOMBSTONE_S, "1"]
+        turns = int(await self._run(self._close(keys=[self._live], args=args)))
+        return {-2: ("already", 0), -3: ("busy", 0), -1: ("unknown", 0)}.get(turns, ("closed", turns))
+
+    async def in_flight(self, session_id: str, *, now_ms: int) -> int:
+        """Turns of the session in flight now (an abandoned claim past its deadline no longer counts)."""
+        return int(await self._run(self.client.zcount(f"{self.prefix}:b:{{{session_id}}}", f"({now_ms}", "+inf")))
+
+    async def live_sessions(self, limit: int) -> list[tuple[str, float, dict[str, str]]]:
+        """The most recently active live sessions: (id, last activity in seconds, turns/tokens/automatic)."""
+        found = await self._run(self.client.zrevrange(self._live, 0, max(limit, 1) - 1, withscores=True))
+        fields = ("turns", "tokens", "automatic")
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sid, _ in found:
+                pipe.hmget(self._meta(_text(sid)), fields)
+            metas = await self._run(pipe.execute()) if found else []
+        return [
+            (_text(sid), score / 1000, {k: _text(v) or "0" for k, v in zip(fields, meta, strict=True)})
+            for (sid, score), meta in zip(found, metas, strict=True)
+        ]
 
     async def restore(self, session_id: str, nodes: Sequence[StoredNode], paths: Sequence[bytes], *, now_ms: int,
                       next_at_least: int) -> bool:  # fmt: skip

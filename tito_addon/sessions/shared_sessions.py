@@ -178,14 +178,14 @@ class SharedSessions:
 
     async def claim(
         self, session_id: str | None, automatic: bool, namespace: str, prompt: bytes, fresh_id: str,
-        parent: TurnNode | None,
+        parent: TurnNode | None, reopen_closed: bool = False,
     ) -> tuple[Session, int]:  # fmt: skip
         """The session and turn id a turn that is about to run will have; marks it in flight."""
         now = time.time()
         sid, turn = await self.tree.claim(
             session_id, namespace, prompt, fresh_id, now_ms=int(now * 1000),
             busy_until_ms=int((now + self.busy_s) * 1000), create=not automatic,
-            parent_turn_id=parent.turn_id if parent is not None else None,
+            parent_turn_id=parent.turn_id if parent is not None else None, reopen_closed=reopen_closed,
         )  # fmt: skip
         return self.session(sid, automatic, namespace), turn
 

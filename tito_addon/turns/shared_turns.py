@@ -23,7 +23,7 @@ from tito_addon.sessions.redis_tree import SessionGone, StoreUnavailable, reason
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_tree import Attachment, Session, TurnNode
 from tito_addon.sessions.shared_sessions import SharedNode, SharedSessions
-from tito_addon.tito_errors import BadRequest, TitoError
+from tito_addon.tito_errors import BadRequest, SessionClosed, TitoError
 from tito_addon.turns.turn_record import CompletedTurn
 
 if TYPE_CHECKING:
@@ -41,9 +41,12 @@ class Claim:
 
 
 class SharedTurns:
-    def __init__(self, sessions: SharedSessions, recorder: TrajectoryRecorder | None) -> None:
+    def __init__(
+        self, sessions: SharedSessions, recorder: TrajectoryRecorder | None, after_close: str = "refuse"
+    ) -> None:
         self.sessions = sessions
         self.recorder = recorder
+        self.after_close = after_close  # a name its driver closed: refused, or a `new` tree under that name
         self.unsettled: list[tuple[str, int]] = []  # (session, turn) written whose commit's outcome is unknown
 
     async def locate(self, parsed: ParsedRequest) -> tuple[Attachment, bytes]:
@@ -51,7 +54,10 @@ class SharedTurns:
         roles = [m.role for m in messages]
         digests = [reasoning_digest(r) or None for r in parsed.reasonings]
         located = await self.sessions.locate(parsed.session_id, parsed.keys, digests, roles, parsed.namespace)
-        if parsed.session_id is not None and located.state != "0" and await self.restore(parsed.session_id):
+        if parsed.session_id is not None and located.state == "2":  # closed by its driver: never resumed
+            if self.after_close == "refuse":
+                raise SessionClosed(parsed.session_id)
+        elif parsed.session_id is not None and located.state != "0" and await self.restore(parsed.session_id):
             located = await self.sessions.locate(parsed.session_id, parsed.keys, digests, roles, parsed.namespace)
         return located.attachment, located.request_path
 
@@ -72,8 +78,9 @@ class SharedTurns:
         else:  # a first request: its GRPO group's session, whichever proxy claimed that prompt first
             sid, automatic, namespace = None, True, prepared.namespace
         session, turn = await self.sessions.claim(
-            sid, automatic, namespace, prepared.request_path, prepared.new_session_id, prepared.parent
-        )
+            sid, automatic, namespace, prepared.request_path, prepared.new_session_id, prepared.parent,
+            reopen_closed=self.after_close == "new",
+        )  # fmt: skip
         return Claim(session, turn)
 
     async def commit(
@@ -128,7 +135,9 @@ class SharedTurns:
             recorded.full_ids()  # proves every parent is present and every prompt length adds up
         except (OSError, RecordError) as exc:
             raise TitoError(f"cannot resume session from its record files: {exc}", status=409) from exc
-        nodes = stored_nodes(session_id, recorded.turns)
+        if recorded.closed_by_driver and self.after_close == "refuse":
+            raise SessionClosed(session_id)
+        nodes = stored_nodes(session_id, recorded.turns_since_driver_close())
         next_at_least = recorded.highest_turn_id + 1 + len(recorded.skipped_lines)
         if await self.sessions.restore(session_id, nodes, next_at_least):
             logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))

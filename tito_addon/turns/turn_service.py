@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -30,10 +31,11 @@ from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_ids import automatic_session_id, session_id_problem
 from tito_addon.sessions.session_tree import Attachment, Session, SessionStore, TurnNode
 from tito_addon.sessions.shared_sessions import SharedSessions
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
+from tito_addon.tito_errors import BadRequest, SessionClosed, TitoError, UpstreamMalformed
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.shared_turns import Claim, SharedTurns, attach_to_reply
 from tito_addon.turns.turn_record import completed_turn
+from tito_addon.turns.turn_replies import error_reply, matched_stop
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +111,10 @@ class TurnService:
         record_message_text: bool = True,
         signer: TurnSigner | None = None,
         shared: SharedSessions | None = None,
+        after_close: str = "refuse",
     ) -> None:
-        """`shared`: sessions in a store several proxies share (Redis) instead of `store`, this process's own."""
+        """`shared`: sessions in a store several proxies share (Redis) instead of `store`, this process's own.
+        `after_close`: what a request naming a session its driver closed gets: `refuse` (409) or a `new` tree."""
         self.record_message_text = record_message_text
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
         # has none, so nothing is ever signed with a guessable one.
@@ -122,28 +126,37 @@ class TurnService:
         self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
         self.recorder = recorder
         self.session_header = session_header.lower()
-        self.shared = SharedTurns(shared, recorder) if shared is not None else None
+        self.shared = SharedTurns(shared, recorder, after_close) if shared is not None else None
+        self.after_close = after_close
+        # Names closed by their driver in this process (`memory`): refused even by a first turn already in flight.
+        self.closed_names: OrderedDict[str, float] = OrderedDict()
 
     def route(self, path: str) -> Route | None:
         return find_route(self.apis, path)
 
-    async def handle(self, path: str, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
-        """Serve one agent request. Never raises: every outcome is an HTTP reply in the agent's own API."""
+    async def handle(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str, episode: str | None = None
+    ) -> HttpReply:
+        """Serve one agent request. Never raises: every outcome is an HTTP reply in the agent's own API.
+        `episode`: the session a rollout driver named through the proxy (its user name or API key), used when the
+        request names none itself."""
         route = self.route(path)
         if route is None:
             return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
         try:
-            return await self._handle(route, {k.lower(): v for k, v in headers.items()}, body, base_url)
+            headers = {k.lower(): v for k, v in headers.items()}
+            return await self._handle(route, headers, body, base_url, episode)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the API's own error reply
             return error_reply(route.api, exc)
 
     def prepare(
-        self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None
-    ) -> PreparedTurn:
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None,
+        episode: str | None = None,
+    ) -> PreparedTurn:  # fmt: skip
         """Validate a request and decide its prompt, on this process's own session tree (`memory`)."""
         if self.shared is not None:
             raise RuntimeError("a shared session store is prepared with prepare_async")
-        parsed = self._parse(path, headers, body, base_url, route)
+        parsed = self._parse(path, headers, body, base_url, route, episode)
         if parsed.session_id is not None and parsed.session_id not in self.store.sessions:
             self.restore(parsed.session_id)
         if parsed.agent.previous_response_id is not None:
@@ -153,12 +166,13 @@ class TurnService:
         return self._place(parsed, attachment)
 
     async def prepare_async(
-        self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None
-    ) -> PreparedTurn:
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str = "", route: Route | None = None,
+        episode: str | None = None,
+    ) -> PreparedTurn:  # fmt: skip
         """`prepare`, wherever the sessions live: with a shared store the attachment is looked up in it."""
         if self.shared is None:
-            return self.prepare(path, headers, body, base_url, route)
-        parsed = self._parse(path, headers, body, base_url, route)
+            return self.prepare(path, headers, body, base_url, route, episode)
+        parsed = self._parse(path, headers, body, base_url, route, episode)
         if parsed.agent.previous_response_id is not None:
             attachment = await self.shared.continued(parsed.agent.previous_response_id, parsed.session_id)
             return self._place(parsed, attachment)
@@ -166,8 +180,9 @@ class TurnService:
         return self._place(parsed, attachment, request_path)
 
     def _parse(
-        self, path: str, headers: dict[str, str], body: bytes, base_url: str, route: Route | None
-    ) -> ParsedRequest:
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str, route: Route | None,
+        episode: str | None = None,
+    ) -> ParsedRequest:  # fmt: skip
         route = route or self.route(path)
         if route is None:
             raise BadRequest(f"not an agent API path: {path}")
@@ -175,6 +190,8 @@ class TurnService:
         path_id = route.path_session_id
         path_id = checked_session_id(unquote(path_id), "path") if path_id is not None else None
         session_id = session_id if session_id is not None else path_id
+        if session_id is None and episode is not None:
+            session_id = checked_session_id(episode, "the episode name (proxy user or API key)")
         agent = route.api.parse(body, route.action)
         request = agent.chat
         self.backend.check_request(request)
@@ -230,9 +247,11 @@ class TurnService:
                 node = self.store.replies.get(reply_id)
         return attach_to_reply(node, reply_id, session_id)
 
-    async def _handle(self, route: Route, headers: dict[str, str], body: bytes, base_url: str) -> HttpReply:
+    async def _handle(
+        self, route: Route, headers: dict[str, str], body: bytes, base_url: str, episode: str | None
+    ) -> HttpReply:
         self.sweep()
-        prepared = await self.prepare_async("", headers, body, base_url, route)
+        prepared = await self.prepare_async("", headers, body, base_url, route, episode)
         if route.action == "count_tokens":
             # The exact prompt length this turn would have: our own render, nothing forwarded or recorded.
             return json_reply(200, route.api.count_tokens_body(len(prepared.prompt)))
@@ -327,7 +346,7 @@ class TurnService:
         return reply
 
     async def open_stream(
-        self, path: str, headers: dict[str, str], body: bytes, base_url: str
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str, episode: str | None = None
     ) -> HttpReply | LiveStream:
         """A live stream of the turn, or an ordinary reply when it fails before its first chunk (status and
         body as for a whole turn). Nothing is committed unless the backend finishes the turn."""
@@ -337,7 +356,7 @@ class TurnService:
             return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
         try:
             self.sweep()
-            prepared = await self.prepare_async(path, headers, body, base_url, route)
+            prepared = await self.prepare_async(path, headers, body, base_url, route, episode)
             if route.action != "turn":
                 raise BadRequest(f"{route.action} does not stream")
             claim = await self.claim(prepared)
@@ -377,7 +396,9 @@ class TurnService:
         session = prepared.attachment.session
         if session is None and prepared.session_id is not None:
             session = self.store.sessions.get(prepared.session_id)
-        elif session is None:
+        if session is None and prepared.session_id in self.closed_names and self.after_close == "refuse":
+            raise SessionClosed(prepared.session_id)  # its driver closed it while this first turn ran
+        if session is None and prepared.session_id is None:
             # Looked up again now: identical first requests that were in flight together (a GRPO group)
             # join the group of whichever committed first.
             session = self.store.prompt_group(prepared.namespace, prepared.keys)
@@ -410,6 +431,8 @@ class TurnService:
     def restore(self, session_id: str) -> None:
         """Rebuild a named session from its record file (after a restart or hot reload), so its turns
         extend the recorded ids and its turn ids continue instead of colliding."""
+        if session_id in self.closed_names and self.after_close == "refuse":
+            raise SessionClosed(session_id)
         if self.recorder is None:
             return
         try:
@@ -419,10 +442,14 @@ class TurnService:
             recorded.full_ids()  # proves every parent is present and every prompt length adds up
         except (OSError, RecordError) as exc:
             raise TitoError(f"cannot resume session from its record file: {exc}", status=409) from exc
+        if recorded.closed_by_driver and self.after_close == "refuse":
+            raise SessionClosed(session_id)
         session = self.store.new_session(session_id)
-        nodes = rebuild_session(self.store, session, recorded.turns)
-        if recorded.skipped_lines:
-            session.next_turn_id += len(recorded.skipped_lines)  # never reuse the id of a torn line
+        nodes = rebuild_session(self.store, session, recorded.turns_since_driver_close())
+        # Live even with no turn put back (a `new` tree after its driver's close), so its ids continue: never reuse
+        # the id of a turn left out, nor of a torn line.
+        live = self.store.sessions.setdefault(session_id, session)
+        live.next_turn_id = recorded.highest_turn_id + 1 + len(recorded.skipped_lines)
         logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
 
     async def sweep_async(self) -> None:
@@ -452,29 +479,3 @@ class TurnService:
             self.recorder.close_session(session.session_id, session.turns, reason)
         except OSError:
             logger.exception("could not close the record of session %s", session.session_id)
-
-
-def matched_stop(agent_body: dict[str, Any]) -> str | None:
-    """The stop string that ended the turn, if one did: sglang says `matched_stop`, vLLM `stop_reason` (each is a
-    token id instead when a stop token ended it)."""
-    choices = agent_body.get("choices") or [{}]
-    choice = choices[0] if isinstance(choices[0], dict) else {}
-    for key in ("matched_stop", "stop_reason"):
-        if isinstance(choice.get(key), str):
-            return choice[key]
-    return None
-
-
-def error_reply(api: AgentApi, exc: BaseException) -> HttpReply:
-    """A failed turn in the agent's own API: the upstream's status verbatim, ours with its status."""
-    if isinstance(exc, UpstreamPassthrough):
-        body = api.passthrough_body(exc)
-        return HttpReply(
-            exc.status, {"content-type": exc.content_type if body is exc.body else "application/json"}, body
-        )
-    if isinstance(exc, TitoError):
-        if exc.status >= 500:
-            logger.warning("turn failed: %s", exc.message)
-        return json_reply(exc.status, api.error_body(exc))
-    logger.error("unexpected failure while serving a turn", exc_info=exc)
-    return json_reply(500, api.error_body(TitoError("internal error in tito_addon; nothing was recorded")))

@@ -1,0 +1,134 @@
+"""The control API for rollout drivers, served by the proxy itself on a reserved host, as mitmproxy serves `mitm.it`.
+
+A driver reaches it through the proxy's own port in every mode: in regular mode as any other host
+(`http://tito.control/v1/sessions` with the proxy set), in reverse mode with the same absolute-form request (every
+HTTP client does that when told to use the proxy), or with `Host: tito.control` when mitmproxy keeps host headers.
+Off unless `tito_control_token` is set; the host is then not served at all (the flow goes wherever it was going).
+With it, every request must carry `Authorization: Bearer TOKEN`: anything else is the same 401, whatever the path,
+so a caller without the token learns nothing. A body over 1 MiB is a 413 (mitmproxy reads a body before any answer
+goes out, so one declared over 64 MiB closes the connection unread). What each route does: `turns/session_control`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+from typing import Any
+
+from mitmproxy import ctx, exceptions, http
+
+from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.proxy.capture_addon import TitoAddon
+from tito_addon.tito_errors import TitoError
+from tito_addon.turns.session_control import MAX_BODY, SessionControl
+
+logger = logging.getLogger(__name__)
+
+CONTROL = "tito_control"
+HOST_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
+MIN_TOKEN = 16
+HARD_CAP = 64 * 1024 * 1024  # a declared control body past this closes the connection unread
+
+
+def unauthorized() -> http.Response:
+    body = TitoError("unauthorized", status=401).body()
+    return http.Response.make(401, body, {"content-type": "application/json", "www-authenticate": "Bearer"})
+
+
+class ControlAddon:
+    def __init__(self, capture: TitoAddon) -> None:
+        self.control = SessionControl(lambda: capture.service)
+        self.token = b""
+        self.host = "tito.control"
+
+    def load(self, loader: Any) -> None:
+        loader.add_option(
+            "tito_control_token",
+            str,
+            "",
+            "Serve the control API for rollout drivers (list sessions, fetch rows, annotate, wait, close) on "
+            "tito_control_host, to callers that send this bearer token (at least 16 characters). Empty: off.",
+        )
+        loader.add_option("tito_control_host", str, "tito.control", "The reserved host name of the control API.")
+
+    def configure(self, updated: set[str]) -> None:
+        if not updated & {"tito_control_token", "tito_control_host"}:
+            return
+        token = ctx.options.tito_control_token
+        if token and (len(token) < MIN_TOKEN or not token.isascii() or not token.isprintable() or " " in token):
+            raise exceptions.OptionsError(
+                f"invalid tito_control_token: at least {MIN_TOKEN} printable ASCII characters without spaces"
+            )
+        host = ctx.options.tito_control_host.strip().lower()
+        if not HOST_NAME.fullmatch(host):
+            raise exceptions.OptionsError(f"invalid tito_control_host: not a host name: {host!r}")
+        self.token, self.host = token.encode(), host
+
+    def serves(self, flow: http.HTTPFlow) -> bool:
+        if not self.token:
+            return False
+        request = flow.request
+        names = (request.host, request.authority.rpartition(":")[0] or request.authority, request.host_header or "")
+        # `tito.control.` is the same name (the root's trailing dot): a driver spelling it so must not send its
+        # token to the backend instead.
+        return any(name.lower().split(":")[0].rstrip(".") == self.host for name in names if name)
+
+    def _authorized(self, flow: http.HTTPFlow) -> bool:
+        values = flow.request.headers.get_all("authorization")
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].partition(" ")
+        try:
+            given = token.strip().encode("utf-8")
+        except UnicodeError:  # a header that is not UTF-8 (mitmproxy decodes it with surrogate escapes)
+            return False
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self.token)
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """Refuse what needs no body to refuse: no token, or a declared body larger than any control request."""
+        if flow.response is not None or flow.error is not None or not flow.live:
+            return
+        try:
+            if not self.serves(flow):
+                return
+            flow.metadata[CONTROL] = True  # its Authorization is our token: no other addon reads or rewrites it
+            length = flow.request.headers.get("content-length", "0").strip()
+            declared = int(length) if length.isdigit() and len(length) < 20 else HARD_CAP + 1
+            if declared > HARD_CAP:
+                # mitmproxy reads a body before it sends any answer: one this large is not read at all.
+                flow.kill()
+            elif not self._authorized(flow):
+                flow.response = unauthorized()
+            elif declared > MAX_BODY:
+                reply = refusal(413, f"a control request body is at most {MAX_BODY} bytes")
+                flow.response = http.Response.make(reply.status, reply.body, reply.headers)
+        except Exception:
+            logger.exception("tito control: unexpected failure")
+            flow.response = internal_error()
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.error is not None or not flow.live or not flow.metadata.get(CONTROL):
+            return
+        try:
+            if not self._authorized(flow):
+                flow.response = unauthorized()
+                return
+            body = flow.request.raw_content or b""
+            if len(body) > MAX_BODY or flow.request.headers.get("content-encoding"):
+                reply = refusal(413 if len(body) > MAX_BODY else 415, "request body too large or encoded")
+            else:
+                reply = await self.control.handle(flow.request.method, flow.request.path, body)
+            flow.response = http.Response.make(reply.status, reply.body, reply.headers)
+        except Exception:
+            logger.exception("tito control: unexpected failure")
+            flow.response = internal_error()
+
+
+def internal_error() -> http.Response:
+    error = TitoError("internal error in the tito control API; nothing was changed")
+    return http.Response.make(500, error.body(), {"content-type": "application/json"})
+
+
+def refusal(status: int, message: str) -> HttpReply:
+    return json_reply(status, TitoError(message, status=status).body())

@@ -1,0 +1,393 @@
+"""What a rollout driver asks of the sessions, behind the control API: list them, fetch one's trainer rows, score it,
+wait until no turn of it is in flight, close it.
+
+No mitmproxy here: `handle(method, path, body)` answers one control request (the proxy's `control_addon` checks the
+token and the host first). Every record read runs off the event loop; what the stores say (live, in flight, last
+activity) is read from this process's tree (`memory`) or from Redis. Nothing but an annotation or a close line is
+ever written, and a refused request writes neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from tito_addon.canonical_chat import json_value_problem
+from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.json_body import parse_json_object, validated
+from tito_addon.records.record_models import MAX_METADATA_BYTES, AnnotationRecord
+from tito_addon.records.record_reader import RecordError, SessionFile, merge_parts, read_session, session_parts
+from tito_addon.records.trainer_rows import FILE_TYPES, LAYOUTS, encode_rows, session_rows
+from tito_addon.sessions.session_ids import session_id_problem
+from tito_addon.tito_errors import BadRequest, TitoError
+from tito_addon.turns.turn_service import TurnService
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY = 1024 * 1024
+MAX_WAIT_S = 600.0
+POLL_S = 0.02
+ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata"}
+CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "application/jsonl"}
+MAX_CLOSED_NAMES = 65536
+
+
+class NotFound(TitoError):
+    status = 404
+    error_type = "not_found"
+
+
+def summary_of(recorded: SessionFile) -> dict[str, Any] | None:
+    """What a record says of a session: turns, tokens, branches, the last turn's time, whether it is closed."""
+    lines = [*recorded.turns, *recorded.closes, *recorded.annotations, *recorded.withdrawn]
+    if not lines:
+        return None
+    last_turn = max((turn.ts for turn in recorded.turns), default=0.0)
+    close = recorded.closes[-1] if recorded.closes and recorded.closes[-1].ts >= last_turn else None
+    parents = {turn.parent_turn_id for turn in recorded.turns}
+    return {
+        "session_id": lines[0].session_id,
+        "turns": len(recorded.turns),
+        "tokens": sum(len(t.prompt_added_ids) + len(t.completion_ids) for t in recorded.turns),
+        "branches": sum(1 for turn in recorded.turns if turn.turn_id not in parents),
+        "last_turn_at": last_turn or None,
+        "closed": close.reason if close is not None else None,
+        "annotations": len(recorded.annotations),
+    }
+
+
+class SessionControl:
+    def __init__(self, service: Callable[[], TurnService | None]) -> None:
+        self._service = service
+        # Record summaries by base file name, kept while no part of the session changed (size, mtime).
+        self._summaries: dict[str, tuple[tuple[tuple[str, int, int], ...], dict[str, Any] | None]] = {}
+
+    def service(self) -> TurnService:
+        service = self._service()
+        if service is None or service.recorder is None:
+            raise TitoError("tito_addon is not configured (set tito_tokenizer)", status=503)
+        return service
+
+    async def handle(self, method: str, path: str, body: bytes) -> HttpReply:
+        try:
+            return await self._route(method, path, body)
+        except TitoError as error:
+            return json_reply(error.status, error.body())
+
+    async def _route(self, method: str, path: str, body: bytes) -> HttpReply:
+        split = urlsplit(path)
+        try:
+            query = {k: v[-1] for k, v in parse_qs(split.query, max_num_fields=8).items()}
+        except ValueError:
+            raise BadRequest("too many query parameters") from None
+        parts = split.path.split("/")
+        if len(parts) < 3 or parts[:3] != ["", "v1", "sessions"] or len(parts) > 5:
+            raise NotFound(f"no control API route {split.path!r}")
+        if len(body) > MAX_BODY:
+            raise TitoError(f"request body is larger than {MAX_BODY} bytes", status=413)
+        action = parts[4] if len(parts) == 5 else ""
+        wanted = {"": "GET", "rows": "GET", "annotations": "POST", "wait": "GET", "close": "POST"}
+        if len(parts) == 3:
+            return self._method(method, "GET") or await self.list_sessions(query)
+        if action not in wanted or (len(parts) == 5 and not action):  # `/sessions/x/` is no route
+            raise NotFound(f"no control API route {split.path!r}")
+        allowed = wanted[action]
+        refused = self._method(method, allowed, also="POST" if action == "wait" else None)
+        if refused is not None:
+            return refused
+        try:
+            session_id = unquote(parts[3], errors="strict")
+        except UnicodeDecodeError:
+            raise BadRequest("invalid session id: its percent-encoding is not UTF-8") from None
+        problem = session_id_problem(session_id)
+        if problem is not None:
+            raise BadRequest(f"invalid session id: {problem}")
+        if action == "":
+            return json_reply(200, dumps(await self.summary(session_id)))
+        if action == "rows":
+            return await self.rows(session_id, query)
+        if action == "annotations":
+            return await self.annotate(session_id, body)
+        if action == "wait":
+            return await self.wait(session_id, query)
+        return await self.close(session_id, body)
+
+    @staticmethod
+    def _method(method: str, allowed: str, also: str | None = None) -> HttpReply | None:
+        if method in (allowed, also):
+            return None
+        error = TitoError(f"method {method} not allowed here; use {allowed}", status=405)
+        reply = json_reply(405, error.body())
+        reply.headers["allow"] = ", ".join(m for m in (allowed, also) if m)
+        return reply
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def _record_dir(self) -> Path:
+        recorder = self.service().recorder
+        assert recorder is not None
+        return recorder.record_dir
+
+    async def _recorded(self, session_id: str) -> SessionFile | None:
+        record_dir = self._record_dir()
+        try:
+            recorded = await asyncio.to_thread(read_session, record_dir, session_id)
+        except (OSError, RecordError) as exc:
+            raise TitoError(f"cannot read the record of session {session_id!r}: {exc}", status=409) from exc
+        lines = [*recorded.turns, *recorded.closes, *recorded.annotations] if recorded is not None else []
+        if any(line.session_id != session_id for line in lines):
+            return None  # a file name is never a session id: only the id the lines were written for reads them
+        return recorded
+
+    def _summaries_of(self, record_dir: Path) -> list[dict[str, Any]]:
+        """Summaries of every recorded session (in a worker thread), re-read only where a part changed."""
+        found = session_parts(record_dir) if record_dir.is_dir() else {}
+        out = []
+        for name, paths in found.items():
+            try:
+                signature = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in paths)
+                cached = self._summaries.get(name)
+                if cached is None or cached[0] != signature:
+                    cached = (signature, summary_of(merge_parts(paths)))
+                    self._summaries[name] = cached
+            except (OSError, RecordError) as exc:
+                logger.warning("tito control: cannot summarize %s: %s", name, exc)
+                continue
+            if cached[1] is not None:
+                out.append(cached[1])
+        for gone in set(self._summaries) - set(found):
+            del self._summaries[gone]
+        return out
+
+    async def _live(self, limit: int) -> dict[str, dict[str, Any]]:
+        """Live sessions: id -> live, last activity (and, in this process's tree, turns in flight)."""
+        service = self.service()
+        if service.shared is None:
+            return {
+                sid: {"live": True, "in_flight": s.inflight, "last_activity": s.last_used}
+                for sid, s in service.store.sessions.items()
+            }
+        found = await service.shared.sessions.tree.live_sessions(limit)
+        return {sid: {"live": True, "last_activity": last} for sid, last, _ in found}
+
+    async def list_sessions(self, query: dict[str, str]) -> HttpReply:
+        limit = bounded_int(query.get("limit", "1000"), "limit", 1, 100000)
+        live_only = flag(query.get("live", "false"), "live")
+        live = await self._live(limit)
+        recorded = [] if live_only else await asyncio.to_thread(self._summaries_of, self._record_dir())
+        rows: dict[str, dict[str, Any]] = {}
+        for summary in recorded:
+            sid = summary["session_id"]
+            rows[sid] = {**summary, "live": False, "last_activity": summary["last_turn_at"], **live.get(sid, {})}
+        for sid, state in live.items():
+            if sid not in rows:
+                rows[sid] = {"session_id": sid, "turns": None, "tokens": None, "branches": None, **state}
+        ordered = sorted(rows.values(), key=lambda row: row.get("last_activity") or 0.0, reverse=True)[:limit]
+        return json_reply(200, dumps({"sessions": ordered}))
+
+    async def summary(self, session_id: str) -> dict[str, Any]:
+        recorded = await self._recorded(session_id)
+        summary = summary_of(recorded) if recorded is not None else None
+        state = await self._state(session_id)
+        if summary is None and not state["live"]:
+            raise NotFound(f"no session {session_id!r} is live or recorded")
+        base = summary or {"session_id": session_id, "turns": 0, "tokens": 0, "branches": 0, "closed": None}
+        return {**base, "last_activity": base.get("last_turn_at"), **state}
+
+    async def _state(self, session_id: str) -> dict[str, Any]:
+        """Whether the session is live and how many of its turns are in flight, wherever the sessions live."""
+        service = self.service()
+        if service.shared is None:
+            session = service.store.sessions.get(session_id)
+            if session is None:
+                return {"live": False, "in_flight": 0}
+            return {"live": True, "in_flight": session.inflight, "last_activity": session.last_used}
+        tree = service.shared.sessions.tree
+        meta = await tree.meta(session_id)
+        in_flight = await tree.in_flight(session_id, now_ms=int(time.time() * 1000))
+        return {"live": meta.get("closed") == "0", "in_flight": in_flight}
+
+    async def rows(self, session_id: str, query: dict[str, str]) -> HttpReply:
+        layout = query.get("format", "generic")
+        file_type = query.get("to", "jsonl")
+        if layout not in LAYOUTS:
+            raise BadRequest(f"unknown format {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+        if file_type not in FILE_TYPES:
+            raise BadRequest(f"unknown file type {file_type!r}; choose one of: {', '.join(FILE_TYPES)}")
+        recorded = await self._recorded(session_id)
+        if recorded is None or not recorded.turns:
+            raise NotFound(f"session {session_id!r} has no recorded turns")
+
+        def encode() -> tuple[int, bytes]:
+            rows = session_rows(recorded, layout)
+            return len(rows), encode_rows(rows, layout, file_type)
+
+        try:
+            count, data = await asyncio.to_thread(encode)
+        except RecordError as exc:
+            raise TitoError(f"cannot read the record of session {session_id!r}: {exc}", status=409) from exc
+        return HttpReply(200, {"content-type": CONTENT_TYPES[file_type], "x-tito-rows": str(count)}, data)
+
+    # -- writing ------------------------------------------------------------------------------------------------
+
+    async def annotate(self, session_id: str, body: bytes) -> HttpReply:
+        obj = checked_body(body)
+        unknown = sorted(set(obj) - ANNOTATION_FIELDS)
+        if unknown:
+            raise BadRequest(f"unknown annotation field(s): {', '.join(unknown)}; allowed: turn_id, reward, labels, "
+                             "metadata")  # fmt: skip
+        reward, turn_id, metadata = obj.get("reward"), obj.get("turn_id"), obj.get("metadata")
+        if reward is not None and not finite_number(reward):
+            raise BadRequest("reward must be a finite number")
+        if turn_id is not None and (isinstance(turn_id, bool) or not isinstance(turn_id, int)):
+            raise BadRequest("turn_id must be an integer")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise BadRequest("metadata must be a JSON object")
+        if metadata is not None and len(dumps(metadata)) > MAX_METADATA_BYTES:
+            raise TitoError(f"metadata is larger than {MAX_METADATA_BYTES} bytes as JSON", status=413)
+        note = validated(AnnotationRecord, {**obj, "session_id": session_id, "ts": time.time()}, "annotation")
+        recorded = await self._recorded(session_id)
+        if recorded is None or not recorded.turns:
+            raise NotFound(f"session {session_id!r} has no recorded turns")
+        if turn_id is not None and all(turn.turn_id != turn_id for turn in recorded.turns):
+            raise NotFound(f"session {session_id!r} has no recorded turn {turn_id}")
+        recorder = self.service().recorder
+        assert recorder is not None
+        try:
+            recorder.write_annotation(note)
+        except OSError as exc:
+            raise TitoError(f"cannot write the annotation: {exc}", status=500) from exc
+        written = note.model_dump(by_alias=True, exclude_none=True)
+        return json_reply(200, dumps({"session_id": session_id, "annotation": written}))
+
+    async def wait(self, session_id: str, query: dict[str, str]) -> HttpReply:
+        timeout = bounded_float(query.get("timeout", "30"), "timeout", 0.0, MAX_WAIT_S)
+        await self.summary(session_id)  # 404 for a session that is neither live nor recorded
+        started = time.monotonic()
+        while True:
+            in_flight = (await self._state(session_id))["in_flight"]
+            waited = time.monotonic() - started
+            if in_flight == 0 or waited >= timeout:
+                body = {"session_id": session_id, "idle": in_flight == 0, "in_flight": in_flight, "waited_s": waited}
+                return json_reply(200, dumps(body))
+            await asyncio.sleep(POLL_S)
+
+    async def close(self, session_id: str, body: bytes) -> HttpReply:
+        obj = checked_body(body) if body.strip() else {}
+        unknown = sorted(set(obj) - {"timeout"})
+        if unknown:
+            raise BadRequest(f"unknown field(s): {', '.join(unknown)}; allowed: timeout")
+        timeout = bounded_float(obj.get("timeout", 30), "timeout", 0.0, MAX_WAIT_S)
+        service = self.service()
+        recorded = await self._recorded(session_id)
+        deadline = time.monotonic() + timeout
+        closed_now = await (self._close_memory if service.shared is None else self._close_shared)(session_id, deadline)
+        if closed_now is None and (recorded is None or not recorded.turns):
+            raise NotFound(f"no session {session_id!r} is live or recorded")
+        already = closed_now is None and recorded is not None and recorded.closed_by_driver
+        turns = closed_now if closed_now is not None else len(recorded.turns if recorded is not None else ())
+        if service.shared is None:
+            service.closed_names[session_id] = time.time()
+            while len(service.closed_names) > MAX_CLOSED_NAMES:
+                service.closed_names.popitem(last=False)
+        if not already:
+            recorder = service.recorder
+            assert recorder is not None
+            try:
+                recorder.close_session(session_id, turns, "closed")
+            except OSError as exc:
+                raise TitoError(f"cannot write the close line: {exc}", status=500) from exc
+            logger.info("tito: session %s closed by its driver after %d turns", session_id, turns)
+        body_out = {"session_id": session_id, "closed": True, "turns": turns, "already_closed": already}
+        return json_reply(200, dumps(body_out))
+
+    async def _close_memory(self, session_id: str, deadline: float) -> int | None:
+        """Close the live session once no turn of it is in flight: its turns, or None when it was not live."""
+        store = self.service().store
+        while True:
+            session = store.sessions.get(session_id)
+            if session is None:
+                return None
+            if session.inflight == 0:
+                store.remove(session)  # no await between the check and the removal: no turn can slip in
+                return session.turns
+            if time.monotonic() >= deadline:
+                raise busy(session_id)
+            await asyncio.sleep(POLL_S)
+
+    async def _close_shared(self, session_id: str, deadline: float) -> int | None:
+        shared = self.service().shared
+        assert shared is not None
+        while True:
+            status, turns = await shared.sessions.tree.close_by_driver(session_id, now_ms=int(time.time() * 1000))
+            if status == "closed":
+                return turns
+            if status != "busy":
+                return None
+            if time.monotonic() >= deadline:
+                raise busy(session_id)
+            await asyncio.sleep(POLL_S)
+
+
+def checked_body(body: bytes) -> dict[str, Any]:
+    """A control request's JSON object, held to the agent APIs' rules: strict JSON, at most 100 levels deep, finite
+    numbers, valid Unicode."""
+    obj = parse_json_object(body)
+    problem = json_value_problem(obj)
+    if problem is not None:
+        raise BadRequest(f"request body refused: {problem}")
+    return obj
+
+
+def finite_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer of hundreds of digits
+        return False
+
+
+def busy(session_id: str) -> TitoError:
+    return TitoError(f"a turn of session {session_id!r} is still in flight; nothing was closed", status=409)
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
+
+
+def bounded_int(value: str, name: str, low: int, high: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{name} must be an integer") from None
+    if not low <= number <= high:
+        raise BadRequest(f"{name} must be between {low} and {high}")
+    return number
+
+
+def bounded_float(value: Any, name: str, low: float, high: float) -> float:
+    if isinstance(value, bool):
+        raise BadRequest(f"{name} must be a number of seconds")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(f"{name} must be a number of seconds") from None
+    if not math.isfinite(number) or not low <= number <= high:
+        raise BadRequest(f"{name} must be between {low:g} and {high:g} seconds")
+    return number
+
+
+def flag(value: str, name: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no", ""):
+        return False
+    raise BadRequest(f"{name} must be true or false")
