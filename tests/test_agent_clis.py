@@ -40,11 +40,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import API_KEYS, tokenizer_path
 from proxy_harness import REPO, Mitmdump
@@ -399,3 +401,58 @@ def test_codex_cli_is_token_exact(network: Network, agent_clis: Path, proxy: Mit
     assert len(threads) == 1  # `resume --last` picked up the first invocation's thread
     appended = turns[first_turns].appended_messages
     assert appended[-1]["role"] == "user" and "Check it once more." in text_of(appended[-1]["content"])
+
+
+def test_cli_episodes_are_named_by_their_api_key(network: Network, agent_clis: Path, replica, tmp_path: Path) -> None:
+    """Claude Code (`ANTHROPIC_API_KEY`) and Codex (its provider's `env_key`) name their episode with a key of the
+    configured form; the backend sees only its own key. Then the example driver runs two Claude Code episodes the same
+    way, scores and closes them, and writes their rows (all of it inside the namespace)."""
+    replica.backend.reset()
+    record_dir, token, prefix, backend_key = tmp_path / "rec", "cli-control-token-0123456789", "sk-ep-", API_KEYS[1]
+    options = {"tito_session_api_key_prefix": prefix, "tito_backend_api_key": backend_key, "tito_control_token": token}
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  launcher=network.command([]), options=options) as proxy:  # fmt: skip
+        project = tmp_path / "project"
+        project.mkdir()
+        tail = ["--allowedTools", "Bash", "--output-format", "stream-json", "--verbose"]
+        claude_env = base_env(tmp_path / "home", agent_clis, ANTHROPIC_BASE_URL=proxy.url,
+                              ANTHROPIC_API_KEY=prefix + "cc-episode", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+                              DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1", DISABLE_AUTOUPDATER="1")  # fmt: skip
+        run_cli(network, [str(agent_clis / "claude"), "-p", "Check this folder with Bash.", *tail], env=claude_env,
+                cwd=project)  # fmt: skip
+        codex_home = tmp_path / "codex_home"
+        codex_home.mkdir()
+        (codex_home / "config.toml").write_text(CODEX_CONFIG.format(base_url=proxy.url))
+        codex_env = base_env(tmp_path / "home2", agent_clis, CODEX_HOME=str(codex_home), LOCAL_KEY=prefix + "cx-ep")
+        codex = [str(agent_clis / "codex"), "exec", "--skip-git-repo-check", "--json", "-m", "qwen3"]
+        run_cli(network, [*codex, "Check this folder with the shell."], env=codex_env, cwd=project)
+        served = len(replica.received())
+
+        out = tmp_path / "claude-rollouts.parquet"
+        driver = [
+            sys.executable, str(REPO / "examples" / "rollout_driver.py"), "--proxy", proxy.url, "--token", token,
+            "--agent", "claude-code", "--claude", str(agent_clis / "claude"), "--key-prefix", prefix,
+            "--episodes", "2", "--concurrency", "2", "--prefix", "cc-driven", "--out", str(out),
+        ]  # fmt: skip
+        env = {**os.environ, "PATH": base_env(tmp_path / "h3", agent_clis)["PATH"]}
+        result = subprocess.run(network.command(driver), env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    headers = replica.backend.received_headers
+    keys = [
+        h.get("X-Api-Key") or h.get("x-api-key") or h.get("Authorization") or h.get("authorization") for h in headers
+    ]
+    assert set(keys) <= {backend_key, f"Bearer {backend_key}"} and len(keys) == len(replica.received())
+    by_name = {f.turns[0].session_id: f for f in iter_session_files(record_dir)}
+    assert sorted(by_name) == ["cc-driven-0000", "cc-driven-0001", "cc-episode", "cx-ep"]
+    assert {t.api for t in by_name["cc-episode"].turns} == {"anthropic_messages"}
+    assert {t.api for t in by_name["cx-ep"].turns} == {"openai_responses"}
+    assert len(by_name["cc-episode"].turns) + len(by_name["cx-ep"].turns) == served
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(r["session_id"] for r in rows) == ["cc-driven-0000", "cc-driven-0001"]
+    assert all(r["reward"] == 1.0 and "tool_used" in r["labels"] for r in rows), [r["labels"] for r in rows]
+    for row in rows:
+        recorded = by_name[row["session_id"]]
+        assert [c.reason for c in recorded.closes] == ["closed"]
+        leaf = recorded.turns[-1]
+        prompt, completion = recorded.full_ids()[row["leaf_turn_id"]]
+        assert row["input_ids"] == prompt + completion and leaf.session_id == row["session_id"]

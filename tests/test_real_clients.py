@@ -83,6 +83,22 @@ def test_openai_npm_in_regular_mode(replica, node_agent: Path, tmp_path: Path) -
     assert [t.parent_turn_id for t in turns] == [None, 0, 1]
 
 
+def test_openai_npm_episode_named_by_its_api_key(replica, node_agent: Path, tmp_path: Path) -> None:
+    """openai-node in reverse mode: `OPENAI_API_KEY=<prefix>EPISODE` names the session; the backend gets its own key."""
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    options = {"tito_session_api_key_prefix": "sk-ep-", "tito_backend_api_key": "backend-SECRET-key-9d2e"}
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  options=options) as proxy:  # fmt: skip
+        env = clean_env(OPENAI_BASE_URL=proxy.url + "/v1", OPENAI_API_KEY="sk-ep-node-episode")
+        result = subprocess.run(["node", str(node_agent), "2"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (turns,) = trajectory_matches(record_dir, replica)
+    assert {t.session_id for t in turns} == {"node-episode"} and [t.parent_turn_id for t in turns] == [None, 0]
+    seen = {v for h in replica.backend.received_headers for k, v in h.items() if k.lower() == "authorization"}
+    assert seen == {"Bearer backend-SECRET-key-9d2e"}
+
+
 def test_curl_plain_and_streamed(proxy, replica) -> None:
     curl = shutil.which("curl")
     if not curl:
