@@ -40,6 +40,23 @@ def echo(message: dict) -> dict:
     return out
 
 
+async def weather_tree(service: TurnService, url: str, before_step=lambda step: None) -> None:
+    """Session `s`: 4 chained turns, a retry of the third (a sibling branch) and an edited first request (a new
+    root); `before_step(step)` runs before each of the 4 steps."""
+    messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
+    for step in range(4):
+        before_step(step)
+        message = await run_turn(service, url, "s", messages)
+        if step == 2:
+            await run_turn(service, url, "s", messages)  # a retry: a sibling branch
+        messages.append(echo(message))
+        if message.get("tool_calls"):
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "21C"} for c in message["tool_calls"]]
+        else:
+            messages.append({"role": "user", "content": f"And then {step}?"})
+    await run_turn(service, url, "s", [{"role": "user", "content": "Weather in Rome?"}])
+
+
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory) -> Path:
     """A session with 4 chained turns, a retried turn (a second branch) and an edited first request (a third)."""
@@ -50,17 +67,7 @@ def recordings(tmp_path_factory) -> Path:
         service = TurnService(
             cached_engine("qwen3"), SglangBackend(client), SessionStore(), TrajectoryRecorder(record_dir)
         )
-        messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
-        for step in range(4):
-            message = await run_turn(service, url, "s", messages)
-            if step == 2:
-                await run_turn(service, url, "s", messages)  # a retry: a sibling branch
-            messages.append(echo(message))
-            if message.get("tool_calls"):
-                messages += [{"role": "tool", "tool_call_id": c["id"], "content": "21C"} for c in message["tool_calls"]]
-            else:
-                messages.append({"role": "user", "content": f"And then {step}?"})
-        await run_turn(service, url, "s", [{"role": "user", "content": "Weather in Rome?"}])
+        await weather_tree(service, url)
         await client.close()
 
     with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica:
@@ -137,18 +144,7 @@ def annotated(tmp_path_factory) -> Path:
     async def session(url: str, replica: ReplicaThread) -> None:
         client = UpstreamClient()
         service = TurnService(cached_engine("qwen3"), SglangBackend(client), SessionStore(), recorder)
-        messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
-        for step in range(4):
-            replica.backend.config.weight_version = f"v{step}"
-            message = await run_turn(service, url, "s", messages)
-            if step == 2:
-                await run_turn(service, url, "s", messages)  # a retry: a sibling branch
-            messages.append(echo(message))
-            if message.get("tool_calls"):
-                messages += [{"role": "tool", "tool_call_id": c["id"], "content": "21C"} for c in message["tool_calls"]]
-            else:
-                messages.append({"role": "user", "content": f"And then {step}?"})
-        await run_turn(service, url, "s", [{"role": "user", "content": "Weather in Rome?"}])
+        await weather_tree(service, url, lambda step: setattr(replica.backend.config, "weight_version", f"v{step}"))
         replica.backend.config.weight_version = "v9"
         body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 5}
         reply = await service.handle("/v1/chat/completions", {"x-session-id": "t"}, json.dumps(body).encode(), url)
