@@ -237,3 +237,29 @@ async def test_async_client_waits_for_a_turn_in_flight(replica, tmp_path: Path) 
             await agent
         finally:
             replica.backend.config.latency_s = 0.0
+
+
+def test_https_tunnels_are_named_by_their_connect_and_a_password_can_be_required(replica, tmp_path: Path) -> None:
+    """HTTPS through the proxy: the name rides on the CONNECT and names every request in the tunnel. With
+    tito_proxy_auth_password set, a wrong or missing password is a 407 and nothing is forwarded or recorded."""
+    replica.backend.reset()
+    record_dir, confdir = tmp_path / "rec", tmp_path / "conf"
+    options = {
+        "tito_backends": f"api.openai.example={replica.url}", "confdir": str(confdir),
+        "tito_proxy_auth_password": "pw-0123",
+    }  # fmt: skip
+    with Mitmdump("", tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path, mode="regular",
+                  options=options) as proxy:  # fmt: skip
+
+        def env(proxy_url: str) -> dict[str, str]:
+            ca = str(confdir / "mitmproxy-ca-cert.pem")
+            base = "https://api.openai.example/v1"
+            return {"OPENAI_BASE_URL": base, "HTTPS_PROXY": proxy_url, "HTTP_PROXY": proxy_url, "SSL_CERT_FILE": ca}
+
+        run_agent(env(episode_proxy_url(proxy.url, "ep-tls", "pw-0123")), 3)
+        for wrong in (episode_proxy_url(proxy.url, "ep-x", "nope"), episode_proxy_url(proxy.url, "ep-x"), proxy.url):
+            refused = run_agent(env(wrong), 1, check=False)
+            assert "407" in refused[0], refused[0][-500:]
+    session = read_session(record_dir, "ep-tls")
+    assert session is not None and [t.parent_turn_id for t in session.turns] == [None, 0, 1]
+    assert len(replica.received()) == 3 and sorted(p.name for p in record_dir.glob("*.jsonl")) == ["ep-tls.jsonl"]
