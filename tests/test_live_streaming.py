@@ -211,3 +211,79 @@ def test_sglang_before_0_5_20_gets_a_reframed_stream(tmp_path: Path) -> None:
         response = post(proxy.url + "/v1/chat/completions", json=body)
         assert response.status_code == 200 and response.headers["x-tito-stream"] == "reframed"
         assert all(b.get("stream") is False for b in replica.received())
+
+
+@pytest.mark.parametrize("first", ["Weather in Paris?", "Tell me about Zürich ☃ and Tōkyō."])
+def test_a_busy_derender_gets_merged_chunks_and_the_agent_the_same_message(tmp_path: Path, first: str) -> None:
+    """A slow streaming derender: the generate chunks that arrive during a call go to the next call as one merged
+    chunk (at most one call in flight), so there are fewer calls than tokens, and the streamed message — content,
+    reasoning, tool calls (their tags split across chunks), multi-byte characters — is the whole turn's."""
+    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.002, derender_delay_s=0.03)
+    with (
+        VllmReplicaThread(config) as replica,
+        Mitmdump(
+            replica.url,
+            tokenizer=tokenizer_path("qwen3"),
+            record_dir=tmp_path / "rec",
+            cwd=tmp_path,
+            options={"tito_backend_kind": "vllm"},
+        ) as proxy,  # fmt: skip
+    ):
+        messages = [{"role": "user", "content": first}]
+        plain = client(proxy, "whole").chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, seed=3)
+        with client(proxy, "live").chat.completions.stream(
+            model=MODEL, messages=messages, tools=TOOLS, seed=3
+        ) as events:
+            for _ in events:
+                pass
+            streamed = events.get_final_completion()
+        calls = [body for path, body in replica.received() if path.endswith("/derender") and body.get("stream")]
+    whole_turns, whole_ids = records(tmp_path / "rec", "whole")
+    live_turns, live_ids = records(tmp_path / "rec", "live")
+    assert live_ids == whole_ids and live_turns[0].completion_logprobs == whole_turns[0].completion_logprobs
+    sizes = [len(call["generate_chunk"]["choices"][0]["token_ids"]) for call in calls]
+    assert sum(sizes) == len(live_ids[0][1]), "every generated token was derendered exactly once, in order"
+    assert [t for call in calls for t in call["generate_chunk"]["choices"][0]["token_ids"]] == live_ids[0][1]
+    assert max(sizes) > 1 and len(calls) < len(live_ids[0][1]), f"chunks were merged: {sizes}"
+    a, b = plain.choices[0], streamed.choices[0]
+    assert (a.finish_reason, a.message.content) == (b.finish_reason, b.message.content)
+    assert (a.message.model_extra or {}).get("reasoning") == (b.message.model_extra or {}).get("reasoning")
+    assert [(c.function.name, c.function.arguments) for c in a.message.tool_calls or []] == [
+        (c.function.name, c.function.arguments) for c in b.message.tool_calls or []
+    ]
+
+
+@pytest.mark.parametrize("merge", [True, False])
+async def test_families_whose_parsers_depend_on_chunking_keep_one_derender_call_per_chunk(merge: bool) -> None:
+    """`merge_stream_chunks` off (deepseek-r1, mistral, default): one streaming derender call per generate chunk,
+    however busy the server; on: fewer calls than chunks. The same ids and message either way."""
+    from tito_addon.backends.backend_protocol import BackendTurn
+    from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.backends.vllm_backend import VllmBackend
+    from tito_addon.engine.prompt_ids import PromptIds
+
+    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.002, derender_delay_s=0.03)
+    with VllmReplicaThread(config) as replica:
+        client = UpstreamClient()
+        backend = VllmBackend(client, merge_stream_chunks=merge)
+        from conftest import cached_engine
+
+        from tito_addon.canonical_chat import ChatRequest
+
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS}
+        request = ChatRequest.model_validate(body)
+        prompt = cached_engine("qwen3").first_turn(request.messages, request.tools, {}).ids
+        turn = BackendTurn(replica.url, "/v1/chat/completions", body, PromptIds(None, list(prompt)), {})
+        events = [event async for event in backend.stream_turn(turn)]
+        await client.close()
+        calls = [b for path, b in replica.received() if path.endswith("/derender") and b.get("stream")]
+        generated = [b for path, b in replica.received() if path.endswith("/generate")]
+    end = events[-1]
+    completion = end.result.completion_ids
+    sizes = [len(call["generate_chunk"]["choices"][0]["token_ids"]) for call in calls]
+    assert sum(sizes) == len(completion) and len(generated) == 1
+    assert all(call["generate_chunk"]["prompt_token_ids"] is None for call in calls), "the prompt echo stays here"
+    if merge:
+        assert max(sizes) > 1 and len(calls) < len(completion), sizes
+    else:
+        assert set(sizes) == {1} and len(calls) == len(completion), sizes

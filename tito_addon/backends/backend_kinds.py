@@ -10,9 +10,13 @@ from tito_addon.backends.vllm_backend import VllmBackend
 BACKENDS: dict[str, type[SglangBackend] | type[VllmBackend]] = {"sglang": SglangBackend, "vllm": VllmBackend}
 
 
-def make_backend(kind: str, client: UpstreamClient, *, verify_echo: bool = False) -> Backend:
+def make_backend(
+    kind: str, client: UpstreamClient, *, verify_echo: bool = False, merge_stream_chunks: bool = False
+) -> Backend:
+    """`merge_stream_chunks`: vLLM may derender the generate chunks that arrived during a call as one (see
+    `ModelFamily.chunking_invariant_parsers`)."""
     if kind == "sglang":
         return SglangBackend(client, verify_echo=verify_echo)
     if kind == "vllm":
-        return VllmBackend(client)
+        return VllmBackend(client, merge_stream_chunks=merge_stream_chunks)
     raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

@@ -34,6 +34,7 @@ from tito_addon.backends.backend_protocol import (
     trajectory_message,
     weight_spans_of,
 )
+from tito_addon.backends.chunk_batches import batches, merged_generate_chunk
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
@@ -82,9 +83,12 @@ def render_skew(render_ids: Any, prompt_ids: list[int]) -> dict[str, Any] | None
 class VllmBackend:
     kind = "vllm"
 
-    def __init__(self, client: UpstreamClient) -> None:
+    def __init__(self, client: UpstreamClient, *, merge_stream_chunks: bool = False) -> None:
         self.client = client
         self._versions: dict[str, VllmVersion] = {}
+        # Derender the generate chunks that arrived during a streaming derender call as one (parsers that give
+        # the same message however the output is chunked); else one call per chunk.
+        self.merge_stream_chunks = merge_stream_chunks
 
     def check_request(self, request: ChatRequest) -> None:
         if not request.model:
@@ -188,62 +192,61 @@ class VllmBackend:
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         held = LeadingWhitespace()
         events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
+        # One derender call at a time: the generate chunks that arrive meanwhile go to the next call as one chunk.
+        stream = batches(events)
         try:
-            async for event in events:
-                if "error" in event:
-                    raise UpstreamMalformed(f"vLLM generate stream failed: {str(event['error'])[:300]}")
-                echoed = event.get("prompt_token_ids")
-                if echoed is not None and echoed != turn.prompt_ids:
-                    raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
-                choices = event.get("choices") or []
-                if not choices:
-                    continue
-                choice = choices[0]
-                delta_ids = choice.get("token_ids") or []
-                if not isinstance(delta_ids, list) or not all(type(i) is int and i >= 0 for i in delta_ids):
-                    raise UpstreamMalformed("vLLM generate streamed token ids that are not non-negative integers")
-                entries = (choice.get("logprobs") or {}).get("content")
-                if not isinstance(entries, list) or len(entries) != len(delta_ids):
-                    raise UpstreamMalformed("vLLM generate streamed a chunk whose logprobs do not match its ids")
-                for entry, token_id in zip(entries, delta_ids, strict=True):
-                    if not isinstance(entry, dict) or _entry_token_id(entry) not in (None, token_id):
-                        raise UpstreamMalformed("vLLM generate streamed a logprob for another token")
-                    values.append(entry.get("logprob"))
-                ids += delta_ids
-                finish = choice.get("finish_reason") or finish
-                weights = choice.get("weight_versions") or weights
-                derender_request = {
-                    "stream": True,
-                    "model": chat["model"],
-                    "generate_chunk": event,
-                    "stream_state": state,
-                    "prompt_tokens": len(turn.prompt_ids),
-                    "prompt_token_ids": turn.prompt_ids,
-                    "chat_request": chat,
-                }
-                derendered, _ = await self._call(
-                    turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
-                )
-                state = derendered.get("stream_state")
-                chunk = derendered.get("chunk")
-                if not isinstance(chunk, dict):
-                    continue
-                base = base or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
-                # The finish chunk is ours to send, after the commit; the stop token's text never shows.
-                parts = [{**c, "finish_reason": None} for c in chunk.get("choices") or [] if isinstance(c, dict)]
-                eos_text = turn.stop_texts.get(delta_ids[-1]) if finish == "stop" and delta_ids else None
-                if eos_text:
-                    parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
-                if not asked_logprobs:
-                    parts = [{**c, "logprobs": None} for c in parts]
-                parts = [{**c, "delta": held.take(c.get("delta") or {})} for c in parts]
-                chunk = {**chunk, "choices": parts}
-                accumulated.add_chunk(chunk)
-                cleaned = clean_delta_chunk(chunk)
-                if cleaned is not None:
-                    yield cleaned
+            async for batch in stream:
+                taken = []
+                for event in batch:
+                    if "error" in event:
+                        raise UpstreamMalformed(f"vLLM generate stream failed: {str(event['error'])[:300]}")
+                    echoed = event.get("prompt_token_ids")
+                    if echoed is not None and echoed != turn.prompt_ids:
+                        raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
+                    if not event.get("choices"):
+                        continue
+                    values += checked_stream_choice(event["choices"][0])
+                    taken.append(event)
+                # One call per merged batch, or per chunk where the parsers depend on how output is chunked.
+                for event in [merged_generate_chunk(taken)] if self.merge_stream_chunks and taken else taken:
+                    choice = event["choices"][0]
+                    delta_ids = choice["token_ids"] or []
+                    ids += delta_ids
+                    finish = choice.get("finish_reason") or finish
+                    weights = choice.get("weight_versions") or weights
+                    derender_request = {
+                        "stream": True,
+                        "model": chat["model"],
+                        # Its echo of the whole prompt is ours to check, not derender's: the ids go below.
+                        "generate_chunk": {**event, "prompt_token_ids": None},
+                        "stream_state": state,
+                        "prompt_tokens": len(turn.prompt_ids),
+                        "prompt_token_ids": turn.prompt_ids,
+                        "chat_request": chat,
+                    }
+                    derendered, _ = await self._call(
+                        turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
+                    )
+                    state = derendered.get("stream_state")
+                    chunk = derendered.get("chunk")
+                    if not isinstance(chunk, dict):
+                        continue
+                    base = base or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+                    # The finish chunk is ours to send, after the commit; the stop token's text never shows.
+                    parts = [{**c, "finish_reason": None} for c in chunk.get("choices") or [] if isinstance(c, dict)]
+                    eos_text = turn.stop_texts.get(delta_ids[-1]) if finish == "stop" and delta_ids else None
+                    if eos_text:
+                        parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
+                    if not asked_logprobs:
+                        parts = [{**c, "logprobs": None} for c in parts]
+                    parts = [{**c, "delta": held.take(c.get("delta") or {})} for c in parts]
+                    chunk = {**chunk, "choices": parts}
+                    accumulated.add_chunk(chunk)
+                    cleaned = clean_delta_chunk(chunk)
+                    if cleaned is not None:
+                        yield cleaned
         finally:
-            await events.aclose()
+            await stream.aclose()
         completion_ids = checked_ids(ids, "completion token ids")
         logprobs = checked_logprobs(values, len(completion_ids))
         if held.pending and not accumulated.calls:
@@ -389,6 +392,20 @@ def _without_eos_text(message: dict[str, Any], eos_text: str) -> dict[str, Any]:
                 return {**message, key: value[: -len(eos_text)]}
             return message
     return message
+
+
+def checked_stream_choice(choice: dict[str, Any]) -> list[Any]:
+    """The logprob values of one streamed generate choice, after checking its ids and their logprob entries."""
+    delta_ids = choice.get("token_ids") or []
+    if not isinstance(delta_ids, list) or not all(type(i) is int and i >= 0 for i in delta_ids):
+        raise UpstreamMalformed("vLLM generate streamed token ids that are not non-negative integers")
+    entries = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(entries, list) or len(entries) != len(delta_ids):
+        raise UpstreamMalformed("vLLM generate streamed a chunk whose logprobs do not match its ids")
+    for entry, token_id in zip(entries, delta_ids, strict=True):
+        if not isinstance(entry, dict) or _entry_token_id(entry) not in (None, token_id):
+            raise UpstreamMalformed("vLLM generate streamed a logprob for another token")
+    return [entry.get("logprob") for entry in entries]
 
 
 def _entry_token_id(entry: dict[str, Any]) -> int | None:

@@ -46,6 +46,11 @@ class ModelFamily:
     # The template kwarg that turns thinking on or off, for agents whose API has a thinking switch (Anthropic's
     # `thinking`); None: the family has no switch (it always reasons, or never does).
     thinking_switch: str | None = None
+    # vLLM's streaming derender may be given several generate chunks merged into one: true where the server's parsers
+    # for this family give the same final message however the output is chunked (qwen3 reasoning with the hermes or
+    # qwen3 tool parsers; harmony). Not for deepseek_v3 or mistral (0.31) tool parsers: chunked differently, they
+    # were measured to lose content or arguments, so those turns keep one derender call per generate chunk.
+    chunking_invariant_parsers: bool = False
 
     def thinking_kwargs(self, enabled: bool | None) -> dict[str, Any]:
         if enabled is None or self.thinking_switch is None:
@@ -68,6 +73,7 @@ FAMILIES: dict[str, ModelFamily] = {
         template_file="qwen3_keep_thinking.jinja",
         single_token_newline=True,
         thinking_switch="enable_thinking",
+        chunking_invariant_parsers=True,
     ),
     "qwen2.5": ModelFamily(
         name="qwen2.5",
@@ -76,6 +82,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "after <|im_end|> is re-inserted."
         ),
         single_token_newline=True,
+        chunking_invariant_parsers=True,
     ),
     "deepseek-r1": ModelFamily(
         name="deepseek-r1",
@@ -100,6 +107,7 @@ FAMILIES: dict[str, ModelFamily] = {
         unterminated_close="<|end|>",
         tool_call_name_pattern=r"to=functions\.([^\s<]+)",
         stop_tokens=("<|return|>", "<|call|>"),
+        chunking_invariant_parsers=True,
     ),
     "mistral": ModelFamily(
         name="mistral",

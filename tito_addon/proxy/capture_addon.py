@@ -213,7 +213,12 @@ class TitoAddon:
         self.engine = engine
         self.service = TurnService(
             engine,
-            make_backend(settings.backend_kind, self.client, verify_echo=settings.verify_prompt_echo),
+            make_backend(
+                settings.backend_kind,
+                self.client,
+                verify_echo=settings.verify_prompt_echo,
+                merge_stream_chunks=engine.family.chunking_invariant_parsers,
+            ),  # fmt: skip
             self.store,
             # With a shared store several processes write turns of one session: each its own part of the file.
             TrajectoryRecorder(settings.record_dir, writer=self.writer_id if shared is not None else None),

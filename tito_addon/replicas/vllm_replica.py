@@ -127,6 +127,9 @@ class VllmReplicaConfig(BaseModel):
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering each generate call")
     stream_delay_s: float = Field(default=0.0, ge=0.0, description="sleep between streamed generate events")
+    derender_delay_s: float = Field(
+        default=0.0, ge=0.0, description="sleep before answering each streaming derender call (a busy server)"
+    )
     weight_version: str = Field(
         default="default",
         description="0.32: the version in each generate choice's weight_versions span (a test may change it "
@@ -918,6 +921,8 @@ class VllmReplica(ServedApp):
         if early is not None:
             return early
         assert body is not None
+        if body.get("stream") is True and self.config.derender_delay_s > 0:
+            await asyncio.sleep(self.config.derender_delay_s)
         try:
             out = self._derender_body(body)
         except _HttpError as exc:
