@@ -22,19 +22,19 @@ from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThrea
 MODEL = "tiny-qwen3"
 
 
+def vllm_proxy(backend_url: str, record_dir: Path, cwd: Path) -> Mitmdump:
+    """mitmdump with the addon in front of a vLLM(-shaped) backend, qwen3 tokenizer and family."""
+    options = {"tito_backend_kind": "vllm"}
+    return Mitmdump(backend_url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=cwd, options=options)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.02)
     record_dir = tmp_path_factory.mktemp("rec")
     with (
         VllmReplicaThread(config) as replica,
-        Mitmdump(
-            replica.url,
-            tokenizer=tokenizer_path("qwen3"),
-            record_dir=record_dir,
-            cwd=record_dir.parent,
-            options={"tito_backend_kind": "vllm"},
-        ) as proxy,
+        vllm_proxy(replica.url, record_dir, record_dir.parent) as proxy,
     ):
         yield replica, proxy, record_dir
 
@@ -155,10 +155,7 @@ def test_an_agent_that_hangs_up_cancels_the_generation_and_nothing_is_recorded(s
 
 def test_backends_that_cannot_stream_exact_ids_get_a_reframed_stream(tmp_path: Path) -> None:
     config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), version="0.24.0")
-    with VllmReplicaThread(config) as old, Mitmdump(
-        old.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path,
-        options={"tito_backend_kind": "vllm"},
-    ) as proxy:  # fmt: skip
+    with VllmReplicaThread(config) as old, vllm_proxy(old.url, tmp_path / "rec", tmp_path) as proxy:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
         response = post(proxy.url + "/v1/chat/completions", json=body)
         assert response.status_code == 200 and response.headers["x-tito-stream"] == "reframed"
@@ -221,13 +218,7 @@ def test_a_busy_derender_gets_merged_chunks_and_the_agent_the_same_message(tmp_p
     config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.002, derender_delay_s=0.03)
     with (
         VllmReplicaThread(config) as replica,
-        Mitmdump(
-            replica.url,
-            tokenizer=tokenizer_path("qwen3"),
-            record_dir=tmp_path / "rec",
-            cwd=tmp_path,
-            options={"tito_backend_kind": "vllm"},
-        ) as proxy,  # fmt: skip
+        vllm_proxy(replica.url, tmp_path / "rec", tmp_path) as proxy,
     ):
         messages = [{"role": "user", "content": first}]
         plain = client(proxy, "whole").chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, seed=3)

@@ -14,6 +14,7 @@ import openai
 import pytest
 from conftest import TOOLS, tokenizer_path
 from proxy_harness import Mitmdump, post
+from test_live_streaming import vllm_proxy
 from upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file
@@ -295,13 +296,7 @@ def test_scale_out_disabled_names_the_flag(tmp_path: Path) -> None:
     config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), enable_scale_out=False)
     with (
         VllmReplicaThread(config) as replica,
-        Mitmdump(
-            replica.url,
-            tokenizer=tokenizer_path("qwen3"),
-            record_dir=tmp_path / "rec",
-            cwd=tmp_path,
-            options={"tito_backend_kind": "vllm"},
-        ) as proxy,
+        vllm_proxy(replica.url, tmp_path / "rec", tmp_path) as proxy,
     ):
         response = post(
             proxy.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}

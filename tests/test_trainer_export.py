@@ -98,15 +98,7 @@ def test_export_round_trips_through_datasets(recordings: Path, tmp_path: Path, f
         # Nothing outside the sampled tokens is masked in...
         assert sum(row["loss_mask"]) == sum(len(t.completion_ids) for t in path)
         # ...and the masked spans, decoded, give back every recorded assistant turn of the branch.
-        spans, current = [], []
-        for token, bit in zip(row["input_ids"], row["loss_mask"], strict=True):
-            if bit:
-                current.append(token)
-            elif current:
-                spans.append(current)
-                current = []
-        if current:
-            spans.append(current)
+        spans = sampled_spans(row["input_ids"], row["loss_mask"])
         assert [tok.decode(span) for span in spans] == [tok.decode(t.completion_ids) for t in path]
         assert spans == [t.completion_ids for t in path]
         sampled = [lp for lp, bit in zip(row["rollout_logprobs"], row["loss_mask"], strict=True) if bit]
