@@ -206,12 +206,17 @@ def merge_parts(paths: list[Path]) -> SessionFile:
     return merged
 
 
-def read_session(record_dir: Path, session_id: str) -> SessionFile | None:
-    """Every part of one session merged (all writers'), or None when no part exists."""
+def session_paths(record_dir: Path, session_id: str) -> list[Path]:
+    """The files holding one session's lines (every writer's part), unread."""
     name = session_file_name(session_id)
     # The name has no glob metacharacters (`session_file_name` allows only [A-Za-z0-9._-]).
     candidates = [record_dir / name, *record_dir.glob(name[: -len(SUFFIX)] + WRITER_SEPARATOR + "*" + SUFFIX)]
-    paths = [path for path in candidates if base_name(path.name) == name and path.is_file()]
+    return [path for path in candidates if base_name(path.name) == name and path.is_file()]
+
+
+def read_session(record_dir: Path, session_id: str) -> SessionFile | None:
+    """Every part of one session merged (all writers'), or None when no part exists."""
+    paths = session_paths(record_dir, session_id)
     return merge_parts(paths) if paths else None
 
 

@@ -23,7 +23,14 @@ from tito_addon.canonical_chat import json_value_problem
 from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.json_body import parse_json_object, validated
 from tito_addon.records.record_models import MAX_METADATA_BYTES, AnnotationRecord
-from tito_addon.records.record_reader import RecordError, SessionFile, merge_parts, read_session, session_parts
+from tito_addon.records.record_reader import (
+    RecordError,
+    SessionFile,
+    merge_parts,
+    read_session,
+    session_parts,
+    session_paths,
+)
 from tito_addon.records.trainer_rows import FILE_TYPES, LAYOUTS, encode_rows, session_rows
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.tito_errors import BadRequest, TitoError
@@ -269,7 +276,10 @@ class SessionControl:
 
     async def wait(self, session_id: str, query: dict[str, str]) -> HttpReply:
         timeout = bounded_float(query.get("timeout", "30"), "timeout", 0.0, MAX_WAIT_S)
-        await self.summary(session_id)  # 404 for a session that is neither live nor recorded
+        # A 404 for a session neither live nor recorded, found without reading its record (a driver waits on every
+        # episode, and a long one's record is megabytes).
+        if not (await self._state(session_id))["live"] and not session_paths(self._record_dir(), session_id):
+            raise NotFound(f"no session {session_id!r} is live or recorded")
         started = time.monotonic()
         while True:
             in_flight = (await self._state(session_id))["in_flight"]
