@@ -247,7 +247,8 @@ def test_a_busy_derender_gets_merged_chunks_and_the_agent_the_same_message(tmp_p
 @pytest.mark.parametrize("merge", [True, False])
 async def test_families_whose_parsers_depend_on_chunking_keep_one_derender_call_per_chunk(merge: bool) -> None:
     """`merge_stream_chunks` off (deepseek-r1, mistral, default): one streaming derender call per generate chunk,
-    however busy the server; on: fewer calls than chunks. The same ids and message either way."""
+    however busy the server; on: fewer calls than chunks. The same ids, and the whole turn's message either way,
+    though call boundaries fall inside a multi-byte character and inside the tool call's tags."""
     from tito_addon.backends.backend_protocol import BackendTurn
     from tito_addon.backends.upstream_client import UpstreamClient
     from tito_addon.backends.vllm_backend import VllmBackend
@@ -261,20 +262,33 @@ async def test_families_whose_parsers_depend_on_chunking_keep_one_derender_call_
 
         from tito_addon.canonical_chat import ChatRequest
 
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS}
+        content = "Wetter in Zürich? 東京 und Café, bitte."
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "tools": TOOLS}
         request = ChatRequest.model_validate(body)
-        prompt = cached_engine("qwen3").first_turn(request.messages, request.tools, {}).ids
+        engine = cached_engine("qwen3")
+        prompt = engine.first_turn(request.messages, request.tools, {}).ids
         turn = BackendTurn(replica.url, "/v1/chat/completions", body, PromptIds(None, list(prompt)), {})
         events = [event async for event in backend.stream_turn(turn)]
-        await client.close()
         calls = [b for path, b in replica.received() if path.endswith("/derender") and b.get("stream")]
         generated = [b for path, b in replica.received() if path.endswith("/generate")]
+        whole = await backend.run_turn(turn)
+        await client.close()
     end = events[-1]
     completion = end.result.completion_ids
+    assert completion == whole.completion_ids and end.result.completion_logprobs == whole.completion_logprobs
+    streamed = end.result.message
+    fields = ("reasoning", "content")
+    assert [streamed.get(k) for k in fields] == [whole.message.get(k) for k in fields]
+    assert "東京" in streamed["reasoning"] and "\ufffd" not in streamed["reasoning"]
+    assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in whole.message["tool_calls"]]
     sizes = [len(call["generate_chunk"]["choices"][0]["token_ids"]) for call in calls]
     assert sum(sizes) == len(completion) and len(generated) == 1
+    tokenizer = engine.tokenizer
+    split_characters = [k for k in range(1, len(completion)) if tokenizer.decode(completion[:k]).endswith("\ufffd")]
+    opens, closes = (completion.index(tokenizer.convert_tokens_to_ids(t)) for t in ("<tool_call>", "</tool_call>"))
+    assert split_characters and opens + 1 < closes, "the completion has a character split across two tokens"
     assert all(call["generate_chunk"]["prompt_token_ids"] is None for call in calls), "the prompt echo stays here"
     if merge:
         assert max(sizes) > 1 and len(calls) < len(completion), sizes
     else:
-        assert set(sizes) == {1} and len(calls) == len(completion), sizes
+        assert set(sizes) == {1} and len(calls) == len(completion), sizes  # a call ends at every token boundary

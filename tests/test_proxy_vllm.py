@@ -12,8 +12,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, tokenizer_path
+from conftest import TOOLS, cached_engine, tokenizer_path
 from proxy_harness import Mitmdump, post
+from test_derender_inputs import expected_seed
 from test_live_streaming import vllm_proxy
 from upstream_tap import UpstreamTap
 
@@ -131,14 +132,22 @@ def test_forced_fields_on_each_call(vllm: Stack) -> None:
     assert generate["token_ids"] == ids[0][0]
     derender = vllm.tap.of(DERENDER)[0]["request"]
     assert derender["model"] == MODEL and derender["prompt_tokens"] == len(ids[0][0])
-    assert derender["chat_request"]["messages"][-1]["content"] == "Weather in Paris?"
     assert derender["chat_request"]["tools"] == TOOLS
-    assert derender["generate_response"] == vllm.tap.of(GENERATE)[0]["response"]
+    generated = vllm.tap.of(GENERATE)[0]["response"]
     if vllm.replica.backend.v32:
-        assert generate["return_token_ids"] is True and derender["prompt_token_ids"] == ids[0][0]
+        # 0.32+: derender gets a seed of the prompt (in the generate response's echo too) and no messages.
+        seed = expected_seed(ids[0][0], cached_engine("qwen3").special_ids)
+        assert generate["return_token_ids"] is True and derender["prompt_token_ids"] == seed
+        assert derender["generate_response"] == {**generated, "prompt_token_ids": seed}
+        assert derender["chat_request"]["messages"] == [{"role": "user", "content": ""}]
+        assert {k: v for k, v in derender["chat_request"].items() if k != "messages"} == {
+            k: v for k, v in render.items() if k != "messages"
+        }
         assert turns[0].backend_version == "0.32.0"
     else:
         assert "return_token_ids" not in generate and "prompt_token_ids" not in derender
+        assert derender["generate_response"] == generated
+        assert derender["chat_request"]["messages"][-1]["content"] == "Weather in Paris?"
         assert turns[0].backend_version == "0.24.0"
     assert turns[0].render_skew == {"equal": True, "first_divergence": None}
 

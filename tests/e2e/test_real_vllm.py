@@ -23,8 +23,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, tokenizer_path
+from conftest import TOOLS, cached_engine, tokenizer_path
 from proxy_harness import REPO, Mitmdump
+from test_derender_inputs import expected_seed
 from upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file
@@ -171,11 +172,17 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
         assert record.backend_kind == "vllm" and record.backend_version == "0.32.0"
         assert record.render_skew is not None
         assert renders[turn]["request"]["stream"] is False and renders[turn]["request"]["logprobs"] is True
-        if turn < 9:  # whole turns: derender gets the exact generate body
+        seed = expected_seed(prompt, cached_engine("qwen3").special_ids)
+        if turn < 9:  # whole turns: derender gets the generate body, its prompt echo cut to the seed
             assert call["request"]["stream"] is False
-            assert whole[turn]["request"]["generate_response"] == call["response"]
-            assert whole[turn]["request"]["prompt_tokens"] == len(prompt)
-            assert whole[turn]["request"]["prompt_token_ids"] == prompt
+            sent = whole[turn]["request"]
+            assert sent["generate_response"] == {**call["response"], "prompt_token_ids": seed}
+            assert sent["prompt_tokens"] == len(prompt) and sent["prompt_token_ids"] == seed
+            assert sent["chat_request"] == {**renders[turn]["request"], "messages": [{"role": "user", "content": ""}]}
+            # vLLM answers the compact request exactly as it answers the whole prompt and conversation.
+            full = {**sent, "generate_response": call["response"], "prompt_token_ids": prompt,
+                    "chat_request": renders[turn]["request"]}  # fmt: skip
+            assert comparable(post_json(vllm_url + DERENDER, full)) == comparable(whole[turn]["response"])
         else:  # the live turn: streaming generate; derender gets every chunk, those that came during a call merged
             assert call["request"]["stream"] is True
             sent = [c["request"]["generate_chunk"]["choices"][0] for c in live]
@@ -185,6 +192,24 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
             assert [e["logprob"] for c in sent for e in c["logprobs"]["content"]] == record.completion_logprobs
             assert len(live) <= len(choices) and all(c["request"]["generate_chunk"]["prompt_token_ids"] is None
                                                      for c in live)  # fmt: skip
+            assert all(c["request"]["prompt_token_ids"] == seed for c in live)
+            state = None
+            for live_call in live:  # the same calls with the whole prompt and conversation: the same chunks
+                full = {**live_call["request"], "stream_state": state, "prompt_token_ids": prompt,
+                        "chat_request": renders[turn]["request"]}  # fmt: skip
+                answer = post_json(vllm_url + DERENDER, full)
+                assert comparable(answer) == comparable(live_call["response"])
+                state = answer["stream_state"]
+            # One call per generate chunk (every token boundary a call boundary) gives the merged calls' message.
+            state, single = None, []
+            for event in (e for e in events if e.get("choices")):
+                chunk = {**event, "prompt_token_ids": None}
+                one = {**live[0]["request"], "stream_state": state, "generate_chunk": chunk}
+                answer = post_json(vllm_url + DERENDER, one)
+                state = answer["stream_state"]
+                single.append(answer["chunk"])
+            merged = [c["response"]["chunk"] for c in live]
+            assert len(single) > len(merged) and accumulated(single) == accumulated(merged)
             print(f"\nlive turn: {len(choices)} generate chunks, {len(live)} streaming derender calls")
     assert [t.finish_reason for t in recorded.turns] == finishes
     # vLLM's own re-render of the history drifts from the token-exact prompt at least once in this session.
@@ -209,6 +234,41 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
     (unconstrained,) = [t for t in turns if t["session_id"] == "free"]
     assert len(steered) == 10 and all(t["kl_estimate"] > 1.0 for t in steered), "grammar-masked rollouts are off-policy"
     assert unconstrained["mean_abs_diff"] < 0.05, "the sampling checkpoint scores its own free samples alike"
+
+
+DERENDER = "/v1/chat/completions/derender"
+
+
+def post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def comparable(value):
+    """A derender answer without what differs on every call: ids and creation times."""
+    if isinstance(value, dict):
+        return {k: None if k in ("id", "created") else comparable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [comparable(v) for v in value]
+    return value
+
+
+def accumulated(chunks: list[dict]) -> dict:
+    """What a client assembles from streamed chat chunks: text fields joined, tool calls by index."""
+    out: dict = {"content": "", "reasoning": "", "tool_calls": {}, "finish": None}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            out["content"] += delta.get("content") or ""
+            out["reasoning"] += delta.get("reasoning") or delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = out["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+            out["finish"] = choice.get("finish_reason") or out["finish"]
+    return out
 
 
 def generate_events(call: dict) -> list[dict]:

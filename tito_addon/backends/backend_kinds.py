@@ -11,12 +11,18 @@ BACKENDS: dict[str, type[SglangBackend] | type[VllmBackend]] = {"sglang": Sglang
 
 
 def make_backend(
-    kind: str, client: UpstreamClient, *, verify_echo: bool = False, merge_stream_chunks: bool = False
+    kind: str,
+    client: UpstreamClient,
+    *,
+    verify_echo: bool = False,
+    merge_stream_chunks: bool = False,
+    compact_derender: bool = False,
 ) -> Backend:
     """`merge_stream_chunks`: vLLM may derender the generate chunks that arrived during a call as one (see
-    `ModelFamily.chunking_invariant_parsers`)."""
+    `ModelFamily.chunking_invariant_parsers`); `compact_derender`: derender may be sent a seed of the prompt and no
+    messages (`ModelFamily.compact_derender`)."""
     if kind == "sglang":
         return SglangBackend(client, verify_echo=verify_echo)
     if kind == "vllm":
-        return VllmBackend(client, merge_stream_chunks=merge_stream_chunks)
+        return VllmBackend(client, merge_stream_chunks=merge_stream_chunks, compact_derender=compact_derender)
     raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

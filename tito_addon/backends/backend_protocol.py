@@ -25,6 +25,7 @@ class BackendTurn:
     prompt: PromptIds
     headers: dict[str, str]  # headers to forward (authorization included; never recorded)
     stop_texts: dict[int, str] = field(default_factory=dict)  # the model's stop ids and their literal text
+    special_ids: frozenset[int] = frozenset()  # the tokenizer's added and special tokens
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -3,7 +3,9 @@
 vLLM's streaming derender is one HTTP call per generate chunk, and on the parser path each call replays all output
 so far. Calling it once per chunk makes a streamed turn cost (chunks × history); calling it once per batch of the
 chunks that arrived during the previous call keeps at most one call in flight, so the number of calls follows the
-backend's speed, not the number of tokens.
+backend's speed, not the number of tokens. Each call also carries the parser state of all output so far, so a
+batch is sent only once it has grown by a share of what was sent before (`due`): the calls of a turn are then
+logarithmic in its length, and their bytes a constant times the completion's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 # Per-token lists a generate choice may carry besides its ids and logprobs (null unless asked for).
 PER_TOKEN_FIELDS = ("routed_experts", "sampling_mask")
+# A batch waits until it holds this share of the tokens already sent (the first goes at once: time to first byte).
+GROWTH = 0.25
 
 
 async def batches[T](events: AsyncIterator[T]) -> AsyncIterator[list[T]]:
@@ -84,3 +88,13 @@ def merged_generate_chunk(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         (chunk.get("prompt_token_ids") for chunk in chunks if chunk.get("prompt_token_ids") is not None), None
     )
     return {**chunks[-1], "choices": [merged], "usage": usage, "prompt_token_ids": echoed}
+
+
+def due(waiting: list[dict[str, Any]], sent_tokens: int, growth: float = GROWTH) -> bool:
+    """Whether the generate chunks waiting should be derendered now: the generation finished, or they hold at least
+    `growth` times the tokens already derendered (at least one)."""
+    choices = [chunk["choices"][0] for chunk in waiting]
+    if any(choice.get("finish_reason") is not None for choice in choices):
+        return True
+    waiting_tokens = sum(len(choice.get("token_ids") or ()) for choice in choices)
+    return waiting_tokens >= max(1, growth * sent_tokens)

@@ -34,7 +34,8 @@ from tito_addon.backends.backend_protocol import (
     trajectory_message,
     weight_spans_of,
 )
-from tito_addon.backends.chunk_batches import batches, merged_generate_chunk
+from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
+from tito_addon.backends.derender_inputs import derender_chat_request, prompt_seed
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
@@ -83,12 +84,16 @@ def render_skew(render_ids: Any, prompt_ids: list[int]) -> dict[str, Any] | None
 class VllmBackend:
     kind = "vllm"
 
-    def __init__(self, client: UpstreamClient, *, merge_stream_chunks: bool = False) -> None:
+    def __init__(
+        self, client: UpstreamClient, *, merge_stream_chunks: bool = False, compact_derender: bool = False
+    ) -> None:
         self.client = client
         self._versions: dict[str, VllmVersion] = {}
         # Derender the generate chunks that arrived during a streaming derender call as one (parsers that give
         # the same message however the output is chunked); else one call per chunk.
         self.merge_stream_chunks = merge_stream_chunks
+        # Send derender a seed of the prompt and no messages (`derender_inputs`): parsers known to read no more.
+        self.compact_derender = compact_derender
 
     def check_request(self, request: ChatRequest) -> None:
         if not request.model:
@@ -150,14 +155,19 @@ class VllmBackend:
         generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version)
         generated, _ = await self._call(turn.base_url + GENERATE_PATH, generate_request, turn.headers, "generate")
         completion_ids, logprobs, finish = self.harvest_generate(generated, turn.prompt_ids)
+        # 0.32+ derender reads the prompt from the generate response's echo (checked above) and the seed field.
+        compact = self.compact_derender and version.at_least(0, 32)
+        seed = prompt_seed(turn.prompt_ids, turn.special_ids) if compact else turn.prompt_ids
+        if compact and generated.get("prompt_token_ids") is not None:
+            generated = {**generated, "prompt_token_ids": seed}
         derender_request: dict[str, Any] = {
             "model": chat["model"],
             "generate_response": generated,
             "prompt_tokens": len(turn.prompt_ids),  # 0.24's generate response has no usage
-            "chat_request": chat,
+            "chat_request": derender_chat_request(chat, compact=compact, streaming=False, refuses_stop=False),
         }
         if version.at_least(0, 32):
-            derender_request["prompt_token_ids"] = turn.prompt_ids
+            derender_request["prompt_token_ids"] = seed
         completion, raw = await self._call(turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender")
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         eos_text = turn.stop_texts.get(completion_ids[-1]) if finish == "stop" else None
@@ -191,61 +201,85 @@ class VllmBackend:
         base: dict[str, Any] = {}
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         held = LeadingWhitespace()
+        # What every derender call repeats: a seed of the prompt and the request without its messages, where the
+        # family's parsers are known to read no more (`derender_inputs`), and never `stop` on 0.33.
+        seed = prompt_seed(turn.prompt_ids, turn.special_ids) if self.compact_derender else turn.prompt_ids
+        derender_chat = derender_chat_request(
+            chat, compact=self.compact_derender, streaming=True, refuses_stop=version.at_least(0, 33)
+        )
         events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
         # One derender call at a time: the generate chunks that arrive meanwhile go to the next call as one chunk.
         stream = batches(events)
-        try:
+
+        async def derender_steps() -> AsyncIterator[dict[str, Any]]:
+            """The generate chunks to derender, checked: merged once due, or one by one where the parsers depend
+            on how the output is chunked."""
+            nonlocal values
+            waiting: list[dict[str, Any]] = []
+            sent = 0
             async for batch in stream:
-                taken = []
                 for event in batch:
                     if "error" in event:
                         raise UpstreamMalformed(f"vLLM generate stream failed: {str(event['error'])[:300]}")
                     echoed = event.get("prompt_token_ids")
                     if echoed is not None and echoed != turn.prompt_ids:
                         raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
-                    if not event.get("choices"):
-                        continue
-                    values += checked_stream_choice(event["choices"][0])
-                    taken.append(event)
-                # One call per merged batch, or per chunk where the parsers depend on how output is chunked.
-                for event in [merged_generate_chunk(taken)] if self.merge_stream_chunks and taken else taken:
-                    choice = event["choices"][0]
-                    delta_ids = choice["token_ids"] or []
-                    ids += delta_ids
-                    finish = choice.get("finish_reason") or finish
-                    weights = choice.get("weight_versions") or weights
-                    derender_request = {
-                        "stream": True,
-                        "model": chat["model"],
-                        # Its echo of the whole prompt is ours to check, not derender's: the ids go below.
-                        "generate_chunk": {**event, "prompt_token_ids": None},
-                        "stream_state": state,
-                        "prompt_tokens": len(turn.prompt_ids),
-                        "prompt_token_ids": turn.prompt_ids,
-                        "chat_request": chat,
-                    }
-                    derendered, _ = await self._call(
-                        turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
-                    )
-                    state = derendered.get("stream_state")
-                    chunk = derendered.get("chunk")
-                    if not isinstance(chunk, dict):
-                        continue
-                    base = base or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
-                    # The finish chunk is ours to send, after the commit; the stop token's text never shows.
-                    parts = [{**c, "finish_reason": None} for c in chunk.get("choices") or [] if isinstance(c, dict)]
-                    eos_text = turn.stop_texts.get(delta_ids[-1]) if finish == "stop" and delta_ids else None
-                    if eos_text:
-                        parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
-                    if not asked_logprobs:
-                        parts = [{**c, "logprobs": None} for c in parts]
-                    parts = [{**c, "delta": held.take(c.get("delta") or {})} for c in parts]
-                    chunk = {**chunk, "choices": parts}
-                    accumulated.add_chunk(chunk)
-                    cleaned = clean_delta_chunk(chunk)
-                    if cleaned is not None:
-                        yield cleaned
+                    if event.get("choices"):
+                        values += checked_stream_choice(event["choices"][0])
+                        waiting.append(event)
+                if not self.merge_stream_chunks:
+                    for event in waiting:
+                        yield event
+                    waiting = []
+                elif waiting and due(waiting, sent):
+                    merged = merged_generate_chunk(waiting)
+                    waiting = []
+                    sent += len(merged["choices"][0].get("token_ids") or ())
+                    yield merged
+            if waiting:
+                yield merged_generate_chunk(waiting)
+
+        steps = derender_steps()
+        try:
+            async for event in steps:
+                choice = event["choices"][0]
+                delta_ids = choice["token_ids"] or []
+                ids += delta_ids
+                finish = choice.get("finish_reason") or finish
+                weights = choice.get("weight_versions") or weights
+                derender_request = {
+                    "stream": True,
+                    "model": chat["model"],
+                    # Its echo of the whole prompt is ours to check, not derender's: the ids go below.
+                    "generate_chunk": {**event, "prompt_token_ids": None},
+                    "stream_state": state,
+                    "prompt_tokens": len(turn.prompt_ids),
+                    "prompt_token_ids": seed,
+                    "chat_request": derender_chat,
+                }
+                derendered, _ = await self._call(
+                    turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
+                )
+                state = derendered.get("stream_state")
+                chunk = derendered.get("chunk")
+                if not isinstance(chunk, dict):
+                    continue
+                base = base or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+                # The finish chunk is ours to send, after the commit; the stop token's text never shows.
+                parts = [{**c, "finish_reason": None} for c in chunk.get("choices") or [] if isinstance(c, dict)]
+                eos_text = turn.stop_texts.get(delta_ids[-1]) if finish == "stop" and delta_ids else None
+                if eos_text:
+                    parts = [{**c, "delta": _without_eos_text(c.get("delta") or {}, eos_text)} for c in parts]
+                if not asked_logprobs:
+                    parts = [{**c, "logprobs": None} for c in parts]
+                parts = [{**c, "delta": held.take(c.get("delta") or {})} for c in parts]
+                chunk = {**chunk, "choices": parts}
+                accumulated.add_chunk(chunk)
+                cleaned = clean_delta_chunk(chunk)
+                if cleaned is not None:
+                    yield cleaned
         finally:
+            await steps.aclose()
             await stream.aclose()
         completion_ids = checked_ids(ids, "completion token ids")
         logprobs = checked_logprobs(values, len(completion_ids))

@@ -51,6 +51,10 @@ class ModelFamily:
     # qwen3 tool parsers; harmony). Not for deepseek_v3 or mistral (0.31) tool parsers: chunked differently, they
     # were measured to lose content or arguments, so those turns keep one derender call per generate chunk.
     chunking_invariant_parsers: bool = False
+    # vLLM's derender parsers for this family read of the prompt only its last ids and which special token came last,
+    # and of the chat request never the messages (`backends/derender_inputs.py`), so derender is sent a seed of the
+    # prompt and no messages. False (the default family, whose server parsers are unknown): the whole of both.
+    compact_derender: bool = False
 
     def thinking_kwargs(self, enabled: bool | None) -> dict[str, Any]:
         if enabled is None or self.thinking_switch is None:
@@ -74,6 +78,7 @@ FAMILIES: dict[str, ModelFamily] = {
         single_token_newline=True,
         thinking_switch="enable_thinking",
         chunking_invariant_parsers=True,
+        compact_derender=True,
     ),
     "qwen2.5": ModelFamily(
         name="qwen2.5",
@@ -83,6 +88,7 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
         single_token_newline=True,
         chunking_invariant_parsers=True,
+        compact_derender=True,
     ),
     "deepseek-r1": ModelFamily(
         name="deepseek-r1",
@@ -93,6 +99,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "at the start."
         ),
         template_file="deepseek_r1_keep_thinking.jinja",
+        compact_derender=True,
         refused_append_roles={"system": _SYSTEM_AT_START},
     ),
     "gpt-oss": ModelFamily(
@@ -108,6 +115,7 @@ FAMILIES: dict[str, ModelFamily] = {
         tool_call_name_pattern=r"to=functions\.([^\s<]+)",
         stop_tokens=("<|return|>", "<|call|>"),
         chunking_invariant_parsers=True,
+        compact_derender=True,
     ),
     "mistral": ModelFamily(
         name="mistral",
@@ -117,6 +125,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "emits. System messages only at the start."
         ),
         template_file="mistral_v3_append_only.jinja",
+        compact_derender=True,
         refused_append_roles={
             "system": (
                 "its template accepts a system message only as the first message (it is merged into the first "

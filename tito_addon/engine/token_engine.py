@@ -103,6 +103,9 @@ class TokenEngine:
             raise ValueError(f"family {family.name} needs a tokenizer that encodes '\\n' as one token")
         self.stop_ids = self._stop_ids()
         self.stop_texts = {i: str(self.tokenizer.convert_ids_to_tokens(i)) for i in self.stop_ids}
+        # Every token the tokenizer adds to its vocabulary (markers such as <think> or <tool_call> are added tokens
+        # even where they are not flagged special): what a server's parsers may look for in a prompt.
+        self.special_ids = frozenset(tokenizer.added_tokens_decoder) | frozenset(tokenizer.all_special_ids)
         self.end_of_turn_ids = self._end_of_turn_ids()
         self.unterminated_ids = (
             self.encode(family.unterminated_close) if family.unterminated_close else list(self.end_of_turn_ids)

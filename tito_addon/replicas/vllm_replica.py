@@ -1050,10 +1050,17 @@ class VllmReplica(ServedApp):
         chat_request = body.get("chat_request")
         if not isinstance(chunk, dict) or not isinstance(chat_request, dict):
             raise _bad("generate_chunk and chat_request are required when streaming", param="generate_chunk")
+        seed = body.get("prompt_token_ids")
+        if (self.config.tool_parser or self.config.reasoning_parser) and not isinstance(seed, list):
+            # Any list passes: the parsers scan it backwards for their tokens, the detokenizer reads its last ids.
+            raise _bad("prompt_token_ids is required for streaming derender with a parser", param="prompt_token_ids")
         state = body.get("stream_state") or {"output_token_ids": [], "role_sent": False, "sent": {}, "tools": 0}
         choice = (chunk.get("choices") or [{}])[0]
         ids = list(state["output_token_ids"]) + list(choice.get("token_ids") or [])
         text = self.tokenizer.decode(ids)
+        if not choice.get("finish_reason"):
+            # vLLM's incremental detokenizer holds back a character whose UTF-8 bytes have not all arrived.
+            text = text.rstrip("\ufffd")
         kwargs = chat_request.get("chat_template_kwargs") or {}
         thinking = not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
         reasoning, content = parse_qwen3_reasoning(text, thinking) if self.config.reasoning_parser else (None, text)

@@ -273,8 +273,10 @@ class TurnService:
         chat_body = dict(prepared.agent.chat_body)
         chat_body["chat_template_kwargs"] = prepared.kwargs
         forward = {k: v for k, v in headers.items() if k not in DROPPED_HEADERS and k != self.session_header}
+        engine = self.engine
+        route = prepared.route
         return BackendTurn(
-            base_url, prepared.route.chat_path, chat_body, prepared.prompt, forward, self.engine.stop_texts
+            base_url, route.chat_path, chat_body, prepared.prompt, forward, engine.stop_texts, engine.special_ids
         )
 
     def responder(self, prepared: PreparedTurn, claim: Claim | None = None) -> Responder:

@@ -1,0 +1,54 @@
+"""What vLLM's derender is sent besides the ids to turn into a message: a seed of the prompt and the chat request.
+
+Sending the whole prompt and the whole conversation on every streaming derender call made a streamed turn move
+(calls × history) bytes: at a 100k-token history, hundreds of megabytes for one answer. vLLM 0.31-0.33 read far
+less of them (measured on their derender code with each family's reasoning and tool parsers):
+- of `prompt_token_ids`: the last few ids, which seed the incremental detokenizer (0.32+ takes 7), and the
+  reasoning parsers' backward scan for their start and end tokens, which only asks which special token came last;
+- of `chat_request`: the tools, tool_choice, template kwargs and sampling fields the parsers consult, never the
+  messages (only Kimi's parser reads them, which no family here uses).
+So, for a family whose server parsers are known (`ModelFamily.compact_derender`), the prompt is cut to the last
+occurrence of each special token plus its last ids, in their original order, and the messages to one empty user
+message (the request model needs at least one). Unknown families keep the whole of both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# vLLM 0.32's detokenizer seeds its state with the prompt's last 7 ids (INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+# + 1); more are kept so that a later version reading a few more still sees the real ones.
+PROMPT_TAIL = 16
+PLACEHOLDER_MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": ""}]
+
+
+def prompt_seed(prompt_ids: list[int], special_ids: frozenset[int], tail: int = PROMPT_TAIL) -> list[int]:
+    """The last occurrence of every special token in `prompt_ids`, then its last `tail` ids, in prompt order.
+
+    Any backward scan for a set of special tokens ("which of these came last?") and any detokenizer seeded from the
+    last `tail` ids give the same answer on the seed as on the whole prompt."""
+    if len(prompt_ids) <= tail:
+        return list(prompt_ids)
+    head = len(prompt_ids) - tail
+    present = special_ids.intersection(prompt_ids[:head])
+    if not present:
+        return prompt_ids[head:]
+    # list.index runs in C: searching the reversed head finds each last occurrence without a Python loop.
+    reversed_head = prompt_ids[head - 1 :: -1]
+    positions = sorted(head - 1 - reversed_head.index(token) for token in present)
+    return [prompt_ids[p] for p in positions] + prompt_ids[head:]
+
+
+def derender_chat_request(
+    chat: dict[str, Any], *, compact: bool, streaming: bool, refuses_stop: bool
+) -> dict[str, Any]:
+    """The chat request derender's parsers read. `refuses_stop`: vLLM 0.33's streaming derender answers 400 to a
+    chat request with `stop` (generate already applied the stop strings; derender only decodes and parses)."""
+    if not compact and not (streaming and refuses_stop):
+        return chat
+    out = dict(chat)
+    if compact:
+        out["messages"] = PLACEHOLDER_MESSAGES
+    if streaming and refuses_stop:
+        out.pop("stop", None)
+    return out
