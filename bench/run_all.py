@@ -331,7 +331,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--only", default="p1,p2,p3,p5,p1s,p2f", help="comma-separated: p1 (with p4), p2, p3, p5, p1s, p2f"
+        "--only", default="p1,p2,p3,p5,p6,p1s,p2f", help="comma-separated: p1 (with p4), p2, p3, p5, p6, p1s, p2f"
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
     args = parser.parse_args()
@@ -351,6 +351,10 @@ def main() -> int:
         from agent_apis import p5
 
         results["p5"] = p5()
+    if "p6" in only:
+        from stream_bench import p6
+
+        results["p6"] = p6(TOKENIZER, args.repeats)
     if "p1s" in only:
         from fleet_bench import p1_store
 

@@ -154,6 +154,9 @@ class ReplicaConfig(BaseModel):
         description="None: call a tool when the last message is the user's. N: call a tool while fewer than N "
         "assistant turns follow the last user message, whatever role comes last, then answer",
     )
+    answer_sentences: int = Field(
+        default=0, ge=0, description="sentences (~14 tokens each) added to every answer: long completions (benchmarks)"
+    )
 
 
 class _BadRequest(Exception):
@@ -351,6 +354,7 @@ def _script_turn(
     *,
     preferred_tools: dict[str, dict[str, Any]] | None = None,
     tool_rounds: int | None = None,
+    answer_sentences: int = 0,
 ) -> _Script:
     """Decide the completion deterministically from the request (messages, tools, tool_choice).
 
@@ -407,6 +411,8 @@ def _script_turn(
             f"Turn {turn}: it is 21 °C near the café in {word}. "
             f"Summary: {fragment} -- computed with `round(celsius * 9 / 5 + 32)`."
         )
+        readings = (f" Reading {i}: {i * 37 % 1000} units at {i % 24:02d}:00, ok." for i in range(answer_sentences))
+        content += "".join(readings)
     seed = body.get("seed")
     if type(seed) is int:
         # Sampling with another seed gives another completion: samples of one prompt (a GRPO group) differ.
@@ -909,7 +915,11 @@ class ReferenceBackend(ServedApp):
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking") is not False
         script = _script_turn(
-            body, thinking, preferred_tools=self.config.preferred_tools, tool_rounds=self.config.tool_rounds
+            body,
+            thinking,
+            preferred_tools=self.config.preferred_tools,
+            tool_rounds=self.config.tool_rounds,
+            answer_sentences=self.config.answer_sentences,
         )
         full_text, spans, fallback = _completion_text(script)
         ids, splits = self._noncanonical(full_text, spans, fallback)

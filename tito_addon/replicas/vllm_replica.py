@@ -127,6 +127,9 @@ class VllmReplicaConfig(BaseModel):
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering each generate call")
     stream_delay_s: float = Field(default=0.0, ge=0.0, description="sleep between streamed generate events")
+    answer_sentences: int = Field(
+        default=0, ge=0, description="sentences (~14 tokens each) added to every answer: long completions (benchmarks)"
+    )
     derender_delay_s: float = Field(
         default=0.0, ge=0.0, description="sleep before answering each streaming derender call (a busy server)"
     )
@@ -718,7 +721,7 @@ class VllmReplica(ServedApp):
 
         prompt_ids = [int(t) for t in ids]
         conv, thinking = conversation_from_prompt(tok.decode(prompt_ids))
-        script = _script_turn(conv, thinking)
+        script = _script_turn(conv, thinking, answer_sentences=self.config.answer_sentences)
         text, spans, fallback = _completion_text(script)
         out, _ = _noncanonical_ids(tok, text, spans, fallback, enabled=self.config.noncanonical)
         out.append(tok.im_end)
