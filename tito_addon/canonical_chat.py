@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -40,14 +41,14 @@ Seed = Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     id: str | None = None
     type: str = "function"
@@ -56,16 +57,17 @@ class ToolCall(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One message of a chat request, as agents send it."""
+    """One message of a chat request, as agents send it. Frozen: a validated message is shared by every later
+    request that re-sends it (`protocols/known_messages.py`)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     role: Role
     content: str | list[TextPart] | None = None
@@ -74,6 +76,15 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # The message's session key once computed (`sessions.message_keys.message_key`): a message is keyed once,
+    # however many later turns re-send it.
+    _key: bytes | None = PrivateAttr(default=None)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> ChatMessage:
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            copy._key = None  # another message: keyed anew
+        return copy
 
     @field_validator("content", mode="before")
     @classmethod

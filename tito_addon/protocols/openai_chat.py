@@ -12,10 +12,13 @@ import json
 import re
 from typing import Any
 
-from tito_addon.canonical_chat import ChatRequest
+from pydantic import ValidationError
+
+from tito_addon.canonical_chat import ChatMessage, ChatRequest, json_value_problem
 from tito_addon.protocols.agent_api import EVENT_STREAM_HEADERS, AgentRequest, ReplyContext, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.json_body import parse_json_object, validated
+from tito_addon.protocols.known_messages import KnownMessages
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
 DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
@@ -23,6 +26,8 @@ DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "me
 CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
 
 SSE_HEADERS = {**EVENT_STREAM_HEADERS, "x-tito-stream": "reframed"}
+# The messages of this process's recent requests, validated: an agent's next request re-sends them.
+KNOWN_MESSAGES = KnownMessages()
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -40,7 +45,34 @@ def parse_body(body: bytes) -> ChatRequest:
 def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
     obj = parse_json_object(body)
-    return validated(ChatRequest, obj, "chat request"), obj
+    raw_messages = obj.get("messages")
+    if type(raw_messages) is not list or not raw_messages:
+        return validated(ChatRequest, obj, "chat request"), obj
+    encodings = [KNOWN_MESSAGES.encoding(raw) for raw in raw_messages]
+    found = [KNOWN_MESSAGES.find(encoded, raw) for encoded, raw in zip(encodings, raw_messages, strict=True)]
+    request = _with_known_messages(obj, raw_messages, found) if any(found) else None
+    if request is None:
+        request = validated(ChatRequest, obj, "chat request")
+    for encoded, raw, known, message in zip(encodings, raw_messages, found, request.messages, strict=True):
+        if known is None:
+            KNOWN_MESSAGES.remember(encoded, raw, message)
+    return request, obj
+
+
+def _with_known_messages(
+    obj: dict[str, Any], raw_messages: list[Any], found: list[ChatMessage | None]
+) -> ChatRequest | None:
+    """The request validated with the messages seen before taken as they were validated then; None when it is
+    refused (the whole validation then says why, exactly as always)."""
+    # The bounds walk of what is new, each value at its depth in the request.
+    new = [raw for raw, message in zip(raw_messages, found, strict=True) if message is None]
+    if json_value_problem({**obj, "messages": new}) is not None:
+        return None
+    mixed = [raw if message is None else message for raw, message in zip(raw_messages, found, strict=True)]
+    try:
+        return ChatRequest.model_validate({**obj, "messages": mixed}, context={"bounded": True})
+    except (ValidationError, RecursionError):
+        return None
 
 
 def sse_from_completion(completion: dict[str, Any], *, include_usage: bool) -> bytes:

@@ -28,6 +28,7 @@ from tito_addon.engine.prompt_ids import EncodedPrefixes
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.openai_chat import KNOWN_MESSAGES
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.episode_naming import EPISODE
@@ -130,6 +131,12 @@ class TitoAddon:
             "Memory for the ready-encoded ids of recent turns, so a long prompt is not re-encoded every turn.",
         )
         loader.add_option(
+            "tito_message_memo_mb",
+            int,
+            128,
+            "Memory for recent requests' validated messages, so a re-sent history is not validated again.",
+        )
+        loader.add_option(
             "tito_session_idle_timeout", int, 1800, "Close a session unused for this many seconds (0: never)."
         )
         loader.add_option(
@@ -189,6 +196,7 @@ class TitoAddon:
                 upstream_timeout=opts.tito_upstream_timeout,
                 verify_prompt_echo=opts.tito_verify_prompt_echo,
                 prefix_cache_mb=opts.tito_prefix_cache_mb,
+                message_memo_mb=opts.tito_message_memo_mb,
                 record_message_text=opts.tito_record_message_text,
                 session_idle_timeout=opts.tito_session_idle_timeout,
                 max_sessions=opts.tito_max_sessions,
@@ -208,6 +216,7 @@ class TitoAddon:
         self.store.idle_timeout = settings.session_idle_timeout
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
+        KNOWN_MESSAGES.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
         self.settings = settings
         self.engine = engine

@@ -32,6 +32,7 @@ class TitoSettings(BaseModel):
     verify_prompt_echo: bool = False
     record_message_text: bool = True
     prefix_cache_mb: int = Field(default=256, ge=0, le=1024 * 1024)
+    message_memo_mb: int = Field(default=128, ge=0, le=1024 * 1024)
     session_idle_timeout: float = 1800.0
     max_sessions: int = 10000
     signing_key: str = ""  # "": a key kept in the record dir

@@ -31,7 +31,12 @@ def _field(parts: list[bytes], text: str) -> None:
 
 def message_key(message: ChatMessage) -> MessageKey:
     """Identity of a message, reasoning excluded (see `reasoning_matches`): a digest of its role, text and tool
-    calls (id, name, parsed arguments)."""
+    calls (id, name, parsed arguments). Computed once per message object (they are frozen)."""
+    # Read and written through pydantic's private dict: its attribute access costs more than a short digest.
+    private = message.__pydantic_private__
+    known = private.get("_key") if private is not None else None
+    if known is not None:
+        return known
     parts: list[bytes] = []
     _field(parts, message.role)
     _field(parts, message.text() or "")
@@ -39,7 +44,10 @@ def message_key(message: ChatMessage) -> MessageKey:
         _field(parts, call.id or "")
         _field(parts, call.function.name)
         _field(parts, _canonical_json(parse_arguments(call.function.arguments)))
-    return hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
+    key = hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
+    if private is not None:
+        private["_key"] = key
+    return key
 
 
 def reasoning_matches(stored: str | None, incoming: str | None) -> bool:
