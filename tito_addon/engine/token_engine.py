@@ -22,6 +22,7 @@ import tokenizers
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.model_families import ModelFamily, suggest_family
+from tito_addon.engine.role_pieces import RolePieces
 from tito_addon.engine.template_messages import template_message
 from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path
 from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
@@ -114,6 +115,9 @@ class TokenEngine:
         self._tool_name_pattern = re.compile(family.tool_call_name_pattern) if family.tool_call_name_pattern else None
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
         self.tokenizer_sha256 = self._tokenizer_sha256()
+        self.pieces = RolePieces(
+            self._synthetic_suffix_jinja, family=family.name, template=self.template, tokenizer=tokenizer
+        )
 
     # -- primitives -------------------------------------------------------------------------------
 
@@ -240,6 +244,17 @@ class TokenEngine:
         return self._tool_name_pattern.findall(text)
 
     def _synthetic_suffix(
+        self,
+        appended: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        called_names: Sequence[str] = (),
+    ) -> tuple[str, str]:
+        """The appended messages' text and the generation prompt: from the template's pieces where they hold."""
+        fast = self.pieces.suffix(appended, tools, kwargs, called_names)
+        return fast if fast is not None else self._synthetic_suffix_jinja(appended, tools, kwargs, called_names)
+
+    def _synthetic_suffix_jinja(
         self,
         appended: list[ChatMessage],
         tools: list[dict[str, Any]] | None,
