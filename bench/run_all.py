@@ -34,14 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from turn_breakdown import CHECKPOINTS, agent_body, conversation  # noqa: E402
 from zero_latency_backend import start as start_backend  # noqa: E402
 
 from tito_addon.records.record_reader import read_session_file  # noqa: E402
 from tito_addon.replicas.proxy_process import LISTEN, Mitmdump  # noqa: E402
 
 TOKENIZER = os.environ.get("TITO_BENCH_TOKENIZER", str(REPO.parent / "shared" / "tokenizers" / "qwen3"))
-CHECKPOINTS = (2, 50, 100, 200)
-TOOL_RESULT = " ".join(f"row {i}: value={i * 37 % 1000} status=ok" for i in range(60))  # about 500 tokens
 
 
 class Backend:
@@ -82,7 +81,7 @@ class PlainMitmdump:
 
 
 def post(url: str, body: dict, session: str) -> float:
-    data = json.dumps(body).encode()
+    data = agent_body(body)
     request = urllib.request.Request(
         url + "/v1/chat/completions", data=data, headers={"content-type": "application/json", "x-session-id": session}
     )
@@ -90,17 +89,6 @@ def post(url: str, body: dict, session: str) -> float:
     with urllib.request.urlopen(request, timeout=120) as response:
         response.read()
     return time.perf_counter() - started
-
-
-def conversation(turns: int) -> list[list[dict]]:
-    """The request of every turn: each appends the canned reply and a ~500-token tool result."""
-    messages: list[dict] = [{"role": "system", "content": "You are a data agent."}, {"role": "user", "content": "Go."}]
-    requests = []
-    for turn in range(turns):
-        requests.append(list(messages))
-        messages += [{"role": "assistant", "content": "The answer is 21."},
-                     {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn}: {TOOL_RESULT}"}]  # fmt: skip
-    return requests
 
 
 def run_session(url: str, requests: list[list[dict]], session: str) -> list[float]:
@@ -112,15 +100,21 @@ def window(values: list[float], turn: int) -> list[float]:
     return values[max(0, index - 2) : index + 3]
 
 
-def p1_p4(turns: int, repeats: int) -> dict:
+def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
     backend = Backend()
     requests = conversation(turns)
     record_dir = Path(tempfile.mkdtemp(prefix="tito-bench-"))
-    addon, plain, direct = [], [], []
+    addon, plain, direct, addon_before = [], [], [], []
     with Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=record_dir, cwd=record_dir,
                   extra_args=["--set", "flow_detail=0"]) as proxy:  # fmt: skip
         for r in range(repeats):
             addon.append(run_session(proxy.url, requests, f"bench-{r}"))
+    if before is not None:
+        before_dir = Path(tempfile.mkdtemp(prefix="tito-bench-before-"))
+        with Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=before_dir, cwd=before_dir, repo=before,
+                      extra_args=["--set", "flow_detail=0"]) as proxy:  # fmt: skip
+            for r in range(repeats):
+                addon_before.append(run_session(proxy.url, requests, f"bench-{r}"))
     lean_dir = Path(tempfile.mkdtemp(prefix="tito-bench-lean-"))
     with Mitmdump(
         backend.url,
@@ -175,6 +169,10 @@ def p1_p4(turns: int, repeats: int) -> dict:
             "proxy_own_added_ms": ((a - di) - (p - d)) * 1e3,
             "naive_rerender_ms": n * 1e3,
         }  # fmt: skip
+        if addon_before:
+            b = statistics.median(x for run in addon_before for x in window(run, turn))
+            result["p1"][turn]["addon_before_ms"] = b * 1e3
+            result["p1"][turn]["proxy_own_added_before_ms"] = ((b - di) - (p - d)) * 1e3
     first, last = result["p1"][min(result["p1"])], result["p1"][max(result["p1"])]
     result["p1"]["last_over_first_added"] = last["added_vs_passthrough_ms"] / max(
         first["added_vs_passthrough_ms"], 1e-9
@@ -186,63 +184,12 @@ def p1_p4(turns: int, repeats: int) -> dict:
     return result
 
 
-def p1_breakdown(turns: int) -> dict:
-    """In-process, at each checkpoint: what preparing the next turn costs (no state changes), and how much of it
-    is only reading the agent's request (UTF-8 + JSON + validation + message keys), which grows with the
-    request the agent itself sends and which any proxy that finds sessions from messages must pay."""
-    from tito_addon.backends.sglang_backend import SglangBackend
-    from tito_addon.backends.upstream_client import UpstreamClient
-    from tito_addon.engine.model_families import FAMILIES
-    from tito_addon.engine.token_engine import TokenEngine
-    from tito_addon.engine.tokenizer_loading import load_tokenizer
-    from tito_addon.protocols.openai_chat import parse_request
-    from tito_addon.sessions.message_keys import message_key
-    from tito_addon.sessions.session_tree import SessionStore
-    from tito_addon.turns.turn_service import TurnService
-
-    requests = conversation(turns)
-    bodies = [json.dumps({"model": "m", "messages": m}).encode() for m in requests]
-    tokenizer = load_tokenizer(TOKENIZER, trust_remote_code=False)
-    engine = TokenEngine(tokenizer, FAMILIES["qwen3"], append_roles=("tool", "user", "system"))
-    headers = {"x-session-id": "breakdown"}
-
-    def median_ms(fn, n: int = 15) -> float:
-        times = []
-        for _ in range(n):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times) * 1e3
-
-    def read(body: bytes) -> None:
-        request, _ = parse_request(body)
-        [message_key(m) for m in request.messages]
-
-    async def run() -> dict:
-        runner, port = await start_backend()
-        base = f"http://127.0.0.1:{port}"
-        client = UpstreamClient()
-        service = TurnService(engine, SglangBackend(client), SessionStore(), None)
-        out: dict = {}
-        try:
-            for index, body in enumerate(bodies):
-                turn = index + 1
-                if turn in CHECKPOINTS:
-                    out[turn] = {
-                        "request_kib": len(body) / 1024,
-                        "prepare_ms": median_ms(
-                            lambda b=body: service.prepare("/v1/chat/completions", headers, b, base)
-                        ),
-                        "read_request_ms": median_ms(lambda b=body: read(b)),
-                    }
-                reply = await service.handle("/v1/chat/completions", headers, body, base)
-                assert reply.status == 200, reply.body[:200]
-        finally:
-            await client.close()
-            await runner.cleanup()
-        return out
-
-    return asyncio.run(run())
+def p1_breakdown(turns: int, repo: Path = REPO) -> dict:
+    """bench/turn_breakdown.py on `repo` (this checkout, or the "before" one), in its own process."""
+    argv = [sys.executable, str(REPO / "bench" / "turn_breakdown.py"), "--repo", str(repo), "--turns", str(turns),
+            "--tokenizer", TOKENIZER]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def p4(path: Path) -> dict:
@@ -263,11 +210,34 @@ def p4(path: Path) -> dict:
     }
 
 
-def p2(sessions: int = 256, turns: int = 10, latency_s: float = 0.1, processes: tuple[int, ...] = (1, 2)) -> dict:
+def p2(
+    sessions: int = 256,
+    turns: int = 10,
+    latency_s: float = 0.1,
+    processes: tuple[int, ...] = (1, 2),
+    before: Path | None = None,
+) -> dict:
     from concurrency import BackendProcess, run_load
 
     backend = BackendProcess(latency_s)
     result: dict = {"sessions": sessions, "turns_per_session": turns, "backend_latency_ms": latency_s * 1e3}
+
+    def addon_run(n: int, repo: Path | None) -> dict:
+        record_dir = Path(tempfile.mkdtemp(prefix="tito-bench-p2-"))
+        addons = [
+            Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=record_dir, cwd=record_dir, repo=repo,
+                     extra_args=["--set", "flow_detail=0"]).start()
+            for _ in range(n)
+        ]  # fmt: skip
+        try:
+            run = run_load([a.url for a in addons], sessions, turns)
+        finally:
+            for proxy in addons:
+                proxy.stop()
+        run["recorded_turns"] = sum(len(read_session_file(f).turns) for f in record_dir.glob("*.jsonl"))
+        run["sessions_on_disk"] = len(list(record_dir.glob("*.jsonl")))
+        return run
+
     try:
         result["direct"] = run_load([backend.url], sessions, turns)
         for n in processes:
@@ -277,26 +247,18 @@ def p2(sessions: int = 256, turns: int = 10, latency_s: float = 0.1, processes: 
             finally:
                 for proxy in plain:
                     proxy.stop()
-            record_dir = Path(tempfile.mkdtemp(prefix="tito-bench-p2-"))
-            addons = [
-                Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=record_dir, cwd=record_dir,
-                         extra_args=["--set", "flow_detail=0"]).start()
-                for _ in range(n)
-            ]  # fmt: skip
-            try:
-                result[f"addon_x{n}"] = run_load([a.url for a in addons], sessions, turns)
-            finally:
-                for proxy in addons:
-                    proxy.stop()
-            recorded = sum(len(read_session_file(f).turns) for f in record_dir.glob("*.jsonl"))
-            result[f"addon_x{n}"]["recorded_turns"] = recorded
-            result[f"addon_x{n}"]["sessions_on_disk"] = len(list(record_dir.glob("*.jsonl")))
+            result[f"addon_x{n}"] = addon_run(n, None)
             addon, plain_run = result[f"addon_x{n}"], result[f"passthrough_x{n}"]
             result[f"ratio_x{n}"] = {
                 "throughput_addon_over_passthrough": addon["turns_per_s"] / plain_run["turns_per_s"],
                 "p99_added_ms": addon["p99_ms"] - plain_run["p99_ms"],
                 "p50_added_ms": addon["p50_ms"] - plain_run["p50_ms"],
             }
+            if before is not None:
+                result[f"addon_before_x{n}"] = old = addon_run(n, before)
+                result[f"ratio_x{n}"]["throughput_before_over_passthrough"] = (
+                    old["turns_per_s"] / plain_run["turns_per_s"]
+                )
     finally:
         backend.close()
     return result
@@ -334,17 +296,47 @@ def main() -> int:
         "--only", default="p1,p2,p3,p5,p6,p1s,p2f", help="comma-separated: p1 (with p4), p2, p3, p5, p6, p1s, p2f"
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
+    parser.add_argument(
+        "--before", metavar="REV", help="also run P1 and P2 on this commit (a git worktree), for before/after"
+    )
     args = parser.parse_args()
     only = set(args.only.split(","))
-    results = {
+    before = checkout(args.before) if args.before else None
+    try:
+        results = run(args, only, before)
+    finally:
+        if before is not None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)], check=False)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def checkout(rev: str) -> Path:
+    """`rev` in a temporary git worktree (removed after the run)."""
+    path = Path(tempfile.mkdtemp(prefix="tito-before-")) / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev], check=True,
+                   capture_output=True)  # fmt: skip
+    return path
+
+
+def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
+    results: dict = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "command": " ".join(sys.argv),
-    }
+        "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+    }  # fmt: skip
+    if before is not None:
+        results["before"] = subprocess.run(["git", "-C", str(before), "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip()  # fmt: skip
     if "p1" in only:
-        results.update(p1_p4(args.turns, args.repeats))
+        results.update(p1_p4(args.turns, args.repeats, before))
         results["p1_breakdown"] = p1_breakdown(args.turns)
+        if before is not None:
+            results["p1_breakdown_before"] = p1_breakdown(args.turns, before)
     if "p2" in only:
-        results["p2"] = p2()
+        results["p2"] = p2(before=before)
     if "p3" in only:
         results["p3"] = p3()
     if "p5" in only:
@@ -366,9 +358,7 @@ def main() -> int:
         from fleet_bench import p2_fleet
 
         results["p2_fleet"] = p2_fleet(TOKENIZER)
-    args.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

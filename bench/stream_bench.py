@@ -25,6 +25,8 @@ from aiohttp import ClientSession, ClientTimeout, web
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from turn_breakdown import TOOL_RESULT  # noqa: E402
+
 from tito_addon.backends.backend_protocol import BackendTurn, StreamEnd  # noqa: E402
 from tito_addon.backends.sglang_backend import SglangBackend  # noqa: E402
 from tito_addon.backends.upstream_client import UpstreamClient  # noqa: E402
@@ -39,7 +41,6 @@ from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThrea
 
 HISTORIES = (1_000, 20_000, 100_000)
 MODEL = "tiny-qwen3"
-TOOL_RESULT = " ".join(f"row {i}: value={i * 37 % 1000} status=ok" for i in range(60))  # about 500 tokens
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
 

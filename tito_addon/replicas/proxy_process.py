@@ -37,9 +37,12 @@ class Mitmdump:
         extra_args: list[str] | None = None,
         mode: str | None = None,
         launcher: list[str] | None = None,
+        repo: Path | None = None,
     ) -> None:
         """`launcher` is an argv prefix the process is started under (`nsenter --net=…` runs it in another network
-        namespace); the listening port is still read from its output."""
+        namespace); the listening port is still read from its output. `repo`: another checkout of the project to
+        run (a benchmark's "before")."""
+        repo = repo or REPO
         settings = {
             "tito_tokenizer": tokenizer,
             "tito_model_family": family,
@@ -54,12 +57,12 @@ class Mitmdump:
             self.argv = [sys.executable, "-m", "tito_addon", *common]
         else:
             mitmdump = Path(sys.executable).with_name("mitmdump")
-            script = REPO / "tito_addon" / "__init__.py"
+            script = repo / "tito_addon" / "__init__.py"
             self.argv = [str(mitmdump), "-s", str(script), "--set", "connection_strategy=lazy", *common]
         self.argv = [*(launcher or []), *self.argv]
         env = dict(os.environ)
         if via_module:
-            env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
         self.env = env
         self.cwd = cwd
         self.record_dir = Path(record_dir)

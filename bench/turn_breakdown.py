@@ -1,0 +1,125 @@
+"""In-process, at turns 2/50/100/200 of the P1 session: what preparing the next turn costs (no state changes),
+and how much of it is reading the agent's request (UTF-8, JSON, validation, message keys), against the floor of
+only parsing that request with the fastest JSON parser in the venv (orjson).
+
+Run on any checkout, so that `run_all.py --before REV` measures the old code on the same requests:
+
+    .venv/bin/python bench/turn_breakdown.py [--repo PATH] [--turns 200]   # prints JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+CHECKPOINTS = (2, 50, 100, 200)
+TOOL_RESULT = " ".join(f"row {i}: value={i * 37 % 1000} status=ok" for i in range(60))  # about 500 tokens
+
+
+def conversation(turns: int) -> list[list[dict]]:
+    """The request of every turn: each appends the canned reply and a ~500-token tool result (as run_all.py)."""
+    messages: list[dict] = [{"role": "system", "content": "You are a data agent."}, {"role": "user", "content": "Go."}]
+    requests = []
+    for turn in range(turns):
+        requests.append(list(messages))
+        messages += [{"role": "assistant", "content": "The answer is 21."},
+                     {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn}: {TOOL_RESULT}"}]  # fmt: skip
+    return requests
+
+
+def agent_body(body: dict) -> bytes:
+    """A request body as openai-python writes it (compact separators, UTF-8 as is)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def median_ms(fn, n: int = 15) -> float:
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def breakdown(turns: int, tokenizer: str) -> dict:
+    import orjson
+    from zero_latency_backend import start as start_backend
+
+    from tito_addon.backends.sglang_backend import SglangBackend
+    from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.engine.model_families import FAMILIES
+    from tito_addon.engine.token_engine import TokenEngine
+    from tito_addon.engine.tokenizer_loading import load_tokenizer
+    from tito_addon.protocols import openai_chat
+    from tito_addon.sessions.message_keys import message_key
+    from tito_addon.sessions.session_tree import SessionStore
+    from tito_addon.turns.turn_service import TurnService
+
+    memo_class = type(getattr(openai_chat, "KNOWN_MESSAGES", None))
+    bodies = [agent_body({"model": "m", "messages": m}) for m in conversation(turns)]
+    engine = TokenEngine(load_tokenizer(tokenizer, trust_remote_code=False), FAMILIES["qwen3"],
+                         append_roles=("tool", "user", "system"))  # fmt: skip
+    headers = {"x-session-id": "breakdown"}
+
+    def read(body: bytes) -> None:
+        request, _ = openai_chat.parse_request(body)
+        [message_key(m) for m in request.messages]
+
+    def read_after(previous: bytes, body: bytes) -> float:
+        """Reading `body` as a proxy does right after the agent's previous request: what that one held is known."""
+        times = []
+        for _ in range(15):
+            if memo_class is not type(None):
+                openai_chat.KNOWN_MESSAGES = memo_class()
+                read(previous)
+            started = time.perf_counter()
+            read(body)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1e3
+
+    async def run() -> dict:
+        runner, port = await start_backend()
+        base = f"http://127.0.0.1:{port}"
+        client = UpstreamClient()
+        service = TurnService(engine, SglangBackend(client), SessionStore(), None)
+        out: dict = {}
+        try:
+            for index, body in enumerate(bodies):
+                turn = index + 1
+                if turn in CHECKPOINTS:
+                    out[turn] = {
+                        "request_kib": len(body) / 1024,
+                        "prepare_ms": median_ms(
+                            lambda b=body: service.prepare("/v1/chat/completions", headers, b, base)
+                        ),
+                        "read_request_ms": read_after(bodies[index - 1], body),
+                        "orjson_floor_ms": median_ms(lambda b=body: orjson.loads(b)),
+                    }
+                reply = await service.handle("/v1/chat/completions", headers, body, base)
+                assert reply.status == 200, reply.body[:200]
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return out
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repo", type=Path, default=BENCH.parent)
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--tokenizer", default=str(BENCH.parents[1] / "shared" / "tokenizers" / "qwen3"))
+    args = parser.parse_args()
+    sys.path[:0] = [str(args.repo.resolve()), str(BENCH)]
+    print(json.dumps(breakdown(args.turns, args.tokenizer)))
+
+
+if __name__ == "__main__":
+    main()
