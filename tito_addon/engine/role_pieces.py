@@ -74,7 +74,8 @@ def branch_markers(template: str, tokenizer: Any) -> list[str]:
     markers = {str(token.content) for token in tokenizer.added_tokens_decoder.values() if token.content in template}
     markers |= {str(t) for t in (getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)) if t}
     markers |= _test_literals(template)
-    return sorted(markers, key=len, reverse=True)
+    # One that holds another is found by that one.
+    return sorted(m for m in markers if not any(other != m and other in m for other in markers))
 
 
 SuffixRenderer = Callable[[list[ChatMessage], Any, dict[str, Any], Sequence[str]], tuple[str, str]]
@@ -89,7 +90,7 @@ class RolePieces:
         self.enabled = family in VETTED_FAMILIES or (family == "qwen2.5" and sha in VETTED_TEMPLATE_SHA256)
         self.nonce = secrets.token_hex(8)
         self.markers = branch_markers(template, tokenizer) if self.enabled else []
-        self._guard = re.compile("|".join(map(re.escape, [self.nonce, *self.markers])))
+        self._guard = (self.nonce, *self.markers)
         self._shapes: dict[bytes, tuple[list[Any], str] | None] = {}
         self.hits = 0
         self.fallbacks = 0
@@ -131,7 +132,7 @@ class RolePieces:
             if set(rendered) - {"role", "content", "tool_call_id", "name"}:
                 return None
             content = rendered["content"]
-            if not isinstance(content, str) or self._guard.search(content):
+            if not isinstance(content, str) or self._guarded(content):
                 return None
             contents.append(content)
             leading = leading and message.role == "tool"
@@ -141,7 +142,7 @@ class RolePieces:
                     unnamed.add(f"call_{len(shape)}")
                 shape.append([message.role, message.name, None, 0])
                 continue
-            if len(call_id) < MIN_ID_LENGTH or self._guard.search(call_id):
+            if len(call_id) < MIN_ID_LENGTH or self._guarded(call_id):
                 return None
             if call_id not in ids:
                 ids.append(call_id)
@@ -162,6 +163,9 @@ class RolePieces:
             return None
         pieces, generation_text = compiled
         return pieces, generation_text, (contents, ids)
+
+    def _guarded(self, text: str) -> bool:
+        return any(marker in text for marker in self._guard)
 
     def _compile(
         self,
