@@ -162,6 +162,12 @@ def test_continuation_ids_are_the_same_without_pieces(family: str, monkeypatch: 
     assert engine.continuation(completion, appended, TOOLS, engine.pinned_kwargs) == fast
 
 
+def test_no_appended_messages() -> None:
+    for family in FAMILY_NAMES:
+        engine = engine_for(family)
+        assert same(engine, [], TOOLS, engine.pinned_kwargs), family
+
+
 def test_ids_are_holes_or_keyed_by_class_and_length() -> None:
     """gpt-oss matches a result to its call by id (equal ids name the same call); Mistral writes the id and wants
     nine characters. Equal, distinct and odd-length ids render as Jinja does, refusals included."""

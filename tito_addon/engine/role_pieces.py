@@ -185,14 +185,13 @@ class RolePieces:
         except Exception:  # the Jinja path raises its own error for this request
             return None
         holes = {s: (0, i) for i, s in enumerate(content_sentinels)} | {s: (1, c) for c, s in enumerate(id_sentinels)}
-        splitter = re.compile("(" + "|".join(map(re.escape, holes)) + ")")
-        if splitter.search(generation_text):
-            return None
-        pieces: list[Any] = [
-            holes[part] if index % 2 else part
-            for index, part in enumerate(splitter.split(messages_text))
-            if part or index % 2
-        ]
+        pieces: list[Any] = [messages_text]
+        if holes:
+            splitter = re.compile("(" + "|".join(map(re.escape, holes)) + ")")
+            if splitter.search(generation_text):
+                return None
+            parts = splitter.split(messages_text)
+            pieces = [holes[part] if index % 2 else part for index, part in enumerate(parts) if part or index % 2]
         for probe in range(len(CONTENT_PROBES)):
             contents = [CONTENT_PROBES[(probe + i) % len(CONTENT_PROBES)] for i in range(len(appended))]
             probe_ids = self._probe_ids(id_lengths, probe)
