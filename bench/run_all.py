@@ -138,12 +138,15 @@ def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
     recorded = read_session_file(record_dir / "bench-0.jsonl")
     recorded_ids = recorded.full_ids()
     direct_ids: dict[int, list[float]] = {}
+    sizes: dict[int, tuple[int, int]] = {}
     for turn in (t for t in CHECKPOINTS if t <= turns):
         for index in range(max(0, turn - 3), min(turns, turn + 2)):
             prompt = recorded_ids[recorded.turns[index].turn_id][0]
             body = {"model": "m", "messages": requests[index], "input_ids": prompt, "logprobs": True,
                     "return_meta_info": True, "stream": False}  # fmt: skip
             direct_ids.setdefault(turn, []).extend(post(backend.url, body, "ids") for _ in range(repeats))
+            if index == turn - 1:  # what the agent sends, and what the addon sends sglang for it (the same shape)
+                sizes[turn] = (len(agent_body({"model": "m", "messages": requests[index]})), len(agent_body(body)))
 
     from tito_addon.engine.tokenizer_loading import load_tokenizer
 
@@ -168,6 +171,7 @@ def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
             # Each proxy's own time: addon over the backend served ids, passthrough over it served messages.
             "proxy_own_added_ms": ((a - di) - (p - d)) * 1e3,
             "naive_rerender_ms": n * 1e3,
+            "agent_request_bytes": sizes[turn][0], "backend_request_bytes": sizes[turn][1],
         }  # fmt: skip
         if addon_before:
             b = statistics.median(x for run in addon_before for x in window(run, turn))
