@@ -99,6 +99,10 @@ _THINK_START = "<think>"
 _THINK_END = "</think>"
 _TOOL_START = "<tool_call>"
 _TOOL_END = "</tool_call>"
+_ASSISTANT_OPEN = "<|im_start|>assistant\n"
+_SEGMENT_RE = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)<\|im_end\|>", re.DOTALL)
+_TOOLS_BLOCK_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
+_TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
 _IM_END = "<|im_end|>"
 _TOOL_CALL_RE = re.compile(re.escape(_TOOL_START) + r"(.*?)" + re.escape(_TOOL_END), re.DOTALL)
 _FALLBACK_WORDS = ("Paris", "Tokyo", "Zürich", "Lisbon", "São Paulo", "Oslo", "Kraków", "Nairobi")
@@ -247,6 +251,46 @@ def _load_tokenizer(name: str) -> _Tokenizer:
             tok = _Tokenizer(name)
             _TOKENIZERS[key] = tok
         return tok
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3 prompt text -> the conversation the scripted model needs
+# --------------------------------------------------------------------------------------
+
+
+def conversation_from_prompt(text: str) -> tuple[dict[str, Any], bool]:
+    """Recover ``({"messages", "tools"}, thinking)`` from a rendered Qwen3 prompt.
+
+    Inverse of the stock Qwen3 template, as far as the script needs it: the tool list
+    (``<tools>`` block of the system turn), user / assistant / tool messages (tool results
+    are ``<tool_response>`` blocks inside a user turn) and whether thinking is on (off when
+    the open assistant turn already holds a closed think block, i.e. ``enable_thinking=False``).
+    """
+    tools: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []
+    for role, body in _SEGMENT_RE.findall(text):
+        if role == "system":
+            block = _TOOLS_BLOCK_RE.search(body)
+            if block:
+                for line in block.group(1).splitlines():
+                    try:
+                        tool = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(tool, dict):
+                        tools.append(tool)
+                body = body[: body.find("# Tools")].rstrip("\n")
+            messages.append({"role": "system", "content": body})
+        elif role == "user" and body.startswith("<tool_response>"):
+            for result in _TOOL_RESPONSE_RE.findall(body):
+                messages.append({"role": "tool", "content": result})
+        else:
+            messages.append({"role": role, "content": body})
+    thinking = True
+    at = text.rfind(_ASSISTANT_OPEN)
+    if at != -1 and _THINK_END in text[at + len(_ASSISTANT_OPEN) :]:
+        thinking = False
+    return {"messages": messages, "tools": tools or None}, thinking
 
 
 # --------------------------------------------------------------------------------------
@@ -914,8 +958,15 @@ class ReferenceBackend(ServedApp):
         prompt_ids = self._prompt_ids(body)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking") is not False
+        script_body = body
+        if self.config.honor_input_ids and body.get("input_ids") is not None:
+            # The model sees only the ids: what it says follows from them, never from `messages`, which sglang's
+            # parsers barely read when input_ids is given (a proxy may send a placeholder there).
+            conversation, _ = conversation_from_prompt(tok.decode(prompt_ids))
+            if conversation["messages"]:
+                script_body = {**body, "messages": conversation["messages"]}
         script = _script_turn(
-            body,
+            script_body,
             thinking,
             preferred_tools=self.config.preferred_tools,
             tool_rounds=self.config.tool_rounds,

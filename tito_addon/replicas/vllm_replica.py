@@ -40,6 +40,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from tito_addon.replicas.sglang_replica import (
+    _ASSISTANT_OPEN,
     _THINK_END,
     _THINK_START,
     _TOOL_START,
@@ -55,6 +56,7 @@ from tito_addon.replicas.sglang_replica import (
     _script_turn,
     _stall_or_reset,
     _Tokenizer,
+    conversation_from_prompt,
 )
 
 __all__ = ["VLLM_FAULTS", "VllmReplica", "VllmReplicaConfig", "VllmReplicaThread"]
@@ -97,10 +99,6 @@ _GREEDY_EPS = 1e-5
 _CHAT_PARAM_DEFAULTS = {"cohere_format": "cmd4"}
 _MAX_TOP_LOGPROBS = 20
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_SEGMENT_RE = re.compile(r"<\|im_start\|>(system|user|assistant)\n(.*?)<\|im_end\|>", re.DOTALL)
-_TOOLS_BLOCK_RE = re.compile(r"<tools>\n(.*?)\n</tools>", re.DOTALL)
-_TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
-_ASSISTANT_OPEN = "<|im_start|>assistant\n"
 
 
 # --------------------------------------------------------------------------------------
@@ -175,46 +173,6 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# --------------------------------------------------------------------------------------
-# Qwen3 prompt text -> the conversation the scripted model needs
-# --------------------------------------------------------------------------------------
-
-
-def conversation_from_prompt(text: str) -> tuple[dict[str, Any], bool]:
-    """Recover ``({"messages", "tools"}, thinking)`` from a rendered Qwen3 prompt.
-
-    Inverse of the stock Qwen3 template, as far as the script needs it: the tool list
-    (``<tools>`` block of the system turn), user / assistant / tool messages (tool results
-    are ``<tool_response>`` blocks inside a user turn) and whether thinking is on (off when
-    the open assistant turn already holds a closed think block, i.e. ``enable_thinking=False``).
-    """
-    tools: list[dict[str, Any]] = []
-    messages: list[dict[str, Any]] = []
-    for role, body in _SEGMENT_RE.findall(text):
-        if role == "system":
-            block = _TOOLS_BLOCK_RE.search(body)
-            if block:
-                for line in block.group(1).splitlines():
-                    try:
-                        tool = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if isinstance(tool, dict):
-                        tools.append(tool)
-                body = body[: body.find("# Tools")].rstrip("\n")
-            messages.append({"role": "system", "content": body})
-        elif role == "user" and body.startswith("<tool_response>"):
-            for result in _TOOL_RESPONSE_RE.findall(body):
-                messages.append({"role": "tool", "content": result})
-        else:
-            messages.append({"role": role, "content": body})
-    thinking = True
-    at = text.rfind(_ASSISTANT_OPEN)
-    if at != -1 and _THINK_END in text[at + len(_ASSISTANT_OPEN) :]:
-        thinking = False
-    return {"messages": messages, "tools": tools or None}, thinking
 
 
 # --------------------------------------------------------------------------------------
