@@ -44,13 +44,13 @@ TOKENIZER = os.environ.get("TITO_BENCH_TOKENIZER", str(REPO.parent / "shared" / 
 
 
 class Backend:
-    def __init__(self) -> None:
+    def __init__(self, parse: str = "orjson") -> None:
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            self.runner, self.port = self.loop.run_until_complete(start_backend())
+            self.runner, self.port = self.loop.run_until_complete(start_backend(parse=parse))
             ready.set()
             self.loop.run_forever()
 
@@ -133,20 +133,33 @@ def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
         passthrough.stop()
     for r in range(repeats):
         direct.append(run_session(backend.url, requests, f"direct-{r}"))
-    # What the backend alone takes to read the prompt as ids (what the addon sends it), so the proxy's own share
-    # of "added" can be told from the backend's cost of parsing ~1 MB of ids instead of the message text.
+    # What the backend alone takes to read the prompt as ids (what the addon sends it: the ids and no conversation;
+    # "full": the ids and the whole conversation, what the addon sent before), so the proxy's own share of "added"
+    # can be told from the backend's cost of parsing ~1 MB of ids instead of the message text.
+    from tito_addon.backends.parser_inputs import sglang_messages
+
     recorded = read_session_file(record_dir / "bench-0.jsonl")
     recorded_ids = recorded.full_ids()
     direct_ids: dict[int, list[float]] = {}
-    sizes: dict[int, tuple[int, int]] = {}
+    direct_full: dict[int, list[float]] = {}
+    sglang_ids: dict[int, list[float]] = {}
+    sglang_full: dict[int, list[float]] = {}
+    sglang_like = Backend(parse="sglang")
+    sizes: dict[int, tuple[int, int, int]] = {}
     for turn in (t for t in CHECKPOINTS if t <= turns):
         for index in range(max(0, turn - 3), min(turns, turn + 2)):
             prompt = recorded_ids[recorded.turns[index].turn_id][0]
-            body = {"model": "m", "messages": requests[index], "input_ids": prompt, "logprobs": True,
+            full = {"model": "m", "messages": requests[index], "input_ids": prompt, "logprobs": True,
                     "return_meta_info": True, "stream": False}  # fmt: skip
+            body = {**full, "messages": sglang_messages(requests[index], None)}
             direct_ids.setdefault(turn, []).extend(post(backend.url, body, "ids") for _ in range(repeats))
-            if index == turn - 1:  # what the agent sends, and what the addon sends sglang for it (the same shape)
-                sizes[turn] = (len(agent_body({"model": "m", "messages": requests[index]})), len(agent_body(body)))
+            direct_full.setdefault(turn, []).extend(post(backend.url, full, "ids") for _ in range(repeats))
+            if index == turn - 1:  # the same bodies read as a Python sglang server reads them
+                sglang_ids.setdefault(turn, []).extend(post(sglang_like.url, body, "ids") for _ in range(repeats))
+                sglang_full.setdefault(turn, []).extend(post(sglang_like.url, full, "ids") for _ in range(repeats))
+            if index == turn - 1:  # what the agent sends, and what the addon sends sglang for it, now and before
+                agent = len(agent_body({"model": "m", "messages": requests[index]}))
+                sizes[turn] = (agent, len(agent_body(body)), len(agent_body(full)))
 
     from tito_addon.engine.tokenizer_loading import load_tokenizer
 
@@ -172,11 +185,16 @@ def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
             "proxy_own_added_ms": ((a - di) - (p - d)) * 1e3,
             "naive_rerender_ms": n * 1e3,
             "agent_request_bytes": sizes[turn][0], "backend_request_bytes": sizes[turn][1],
+            "backend_request_bytes_before": sizes[turn][2],
+            "sglang_parse_ms": statistics.median(sglang_ids[turn]) * 1e3,
+            "sglang_parse_before_ms": statistics.median(sglang_full[turn]) * 1e3,
         }  # fmt: skip
         if addon_before:
             b = statistics.median(x for run in addon_before for x in window(run, turn))
             result["p1"][turn]["addon_before_ms"] = b * 1e3
-            result["p1"][turn]["proxy_own_added_before_ms"] = ((b - di) - (p - d)) * 1e3
+            df = statistics.median(direct_full[turn])
+            result["p1"][turn]["direct_with_ids_full_ms"] = df * 1e3
+            result["p1"][turn]["proxy_own_added_before_ms"] = ((b - df) - (p - d)) * 1e3
     first, last = result["p1"][min(result["p1"])], result["p1"][max(result["p1"])]
     result["p1"]["last_over_first_added"] = last["added_vs_passthrough_ms"] / max(
         first["added_vs_passthrough_ms"], 1e-9

@@ -5,7 +5,7 @@ sglang replicas, through a tap that counts the calls and request bytes each turn
 replicas generate at 100 tokens/s (vLLM; its streaming derender takes 5 ms a call) and answer ~480 tokens.
 "before" is vLLM's streamed turn as it was: one derender call per generate chunk, each with the whole prompt
 and conversation; "after" merges chunks into calls that grow geometrically and sends derender a seed of the
-prompt and no messages (`backends/derender_inputs.py`), as the non-streamed turn now does too.
+prompt and no messages (`backends/parser_inputs.py`), as the non-streamed turn now does too.
 
     .venv/bin/python bench/run_all.py --only p6
 """
@@ -128,10 +128,10 @@ async def measure(kind: str, replica_url: str, engine: TokenEngine, repeats: int
     modes: dict[str, tuple[Any, bool]]
     if kind == "vllm":
         modes = {
-            "non-streamed before": (VllmBackend(client, merge_stream_chunks=True, compact_derender=False), False),
-            "streamed before": (VllmBackend(client, merge_stream_chunks=False, compact_derender=False), True),
-            "non-streamed": (VllmBackend(client, merge_stream_chunks=True, compact_derender=True), False),
-            "streamed": (VllmBackend(client, merge_stream_chunks=True, compact_derender=True), True),
+            "non-streamed before": (VllmBackend(client, merge_stream_chunks=True, compact_requests=False), False),
+            "streamed before": (VllmBackend(client, merge_stream_chunks=False, compact_requests=False), True),
+            "non-streamed": (VllmBackend(client, merge_stream_chunks=True, compact_requests=True), False),
+            "streamed": (VllmBackend(client, merge_stream_chunks=True, compact_requests=True), True),
         }
     else:
         modes = {"non-streamed": (SglangBackend(client), False), "streamed": (SglangBackend(client), True)}

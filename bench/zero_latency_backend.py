@@ -2,21 +2,56 @@
 completion. Like sglang (0.5.13+) it echoes the prompt ids only when asked (`return_prompt_token_ids`) and
 reports its version on /server_info. It parses and encodes with orjson, so its own share of a turn stays
 small; the same server answers the addon and the plain passthrough, so their difference is the proxy's cost.
-An optional latency (P2) is slept before answering."""
+An optional latency (P2) is slept before answering.
+
+`parse="sglang"` reads the body as a real sglang server does instead: Starlette's `request.json()` (the standard
+library's JSON) and then pydantic validation into a chat request model (messages, input_ids as `list[int]`,
+tools...), so that the cost of the wire format itself (the prompt as ~1 MB of ids, the conversation beside it) shows.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import orjson
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict
 
 COMPLETION = [785, 4226, 374, 220, 17, 16, 13, 151645]  # "The answer is 21." + <|im_end|>
 
 
-def make_app(latency_s: float = 0.0) -> web.Application:
+class SglangMessage(BaseModel):
+    """The fields of sglang's chat message models that a tool-using agent's messages fill."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class SglangChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    messages: list[SglangMessage]
+    model: str | None = None
+    input_ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    logprobs: bool = False
+    stream: bool = False
+
+
+def make_app(latency_s: float = 0.0, parse: str = "orjson") -> web.Application:
     async def chat(request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
+        raw = await request.read()
+        if parse == "sglang":
+            body = json.loads(raw)
+            SglangChatRequest.model_validate(body)
+        else:
+            body = orjson.loads(raw)
         ids = body.get("input_ids") or []
         if latency_s:
             await asyncio.sleep(latency_s)
@@ -44,8 +79,8 @@ def make_app(latency_s: float = 0.0) -> web.Application:
     return app
 
 
-async def start(port: int = 0, latency_s: float = 0.0) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(make_app(latency_s), access_log=None)
+async def start(port: int = 0, latency_s: float = 0.0, parse: str = "orjson") -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(make_app(latency_s, parse), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tito_addon.backends.chunk_batches import due
-from tito_addon.backends.derender_inputs import PROMPT_TAIL, derender_chat_request, prompt_seed
+from tito_addon.backends.parser_inputs import PROMPT_TAIL, derender_chat_request, prompt_seed, sglang_messages
 from tito_addon.engine.model_families import FAMILIES
 
 SPECIAL = frozenset({100, 101, 102, 103})
@@ -65,8 +65,8 @@ def test_the_seed_of_a_real_prompt_keeps_the_markers_the_parsers_look_for(family
     assert seed[: len(marker_ids)] == marker_ids
 
 
-def test_only_known_families_send_a_compact_derender() -> None:
-    assert {name for name, family in FAMILIES.items() if family.compact_derender} == {
+def test_only_known_families_send_a_compact_requests() -> None:
+    assert {name for name, family in FAMILIES.items() if family.compact_requests} == {
         "qwen3", "qwen2.5", "deepseek-r1", "gpt-oss", "mistral"
     }  # fmt: skip
 
@@ -103,3 +103,39 @@ def test_the_calls_of_a_long_turn_grow_logarithmically() -> None:
         if due([chunk(waiting)], sent):
             sent, waiting, calls = sent + waiting, 0, calls + 1
     assert sent + waiting == 2000 and calls < 40, calls
+
+
+def test_sglang_is_sent_only_the_messages_it_reads_given_input_ids() -> None:
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "x" * 500},
+        {"role": "assistant", "content": "Sure"},
+    ]
+    placeholder = [{"role": "user", "content": ""}]
+    assert sglang_messages(history, None) == placeholder
+    assert sglang_messages(history, False) == placeholder
+    assert sglang_messages(history, "true") == placeholder, "only a real true continues the prefill"
+    assert sglang_messages(history, True) == [history[-1]], "the prefill whose think tags its parser checks"
+    assert sglang_messages(history[:2], True) == placeholder, "nothing to continue after a user message"
+    tooled = {"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]}
+    developer = {"role": "developer", "content": "d", "tools": [{"type": "function", "function": {"name": "g"}}]}
+    assert sglang_messages([tooled, *history, developer, {"role": "user", "content": "q"}], False) == [
+        tooled, developer, *placeholder
+    ]  # fmt: skip
+    assert sglang_messages([{**history[0], "tools": []}, history[1]], False) == placeholder
+
+
+def test_the_sglang_body_keeps_the_conversation_for_an_unknown_family() -> None:
+    from tito_addon.backends.backend_protocol import BackendTurn
+    from tito_addon.backends.sglang_backend import SglangBackend
+    from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.engine.prompt_ids import PromptIds
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+    turn = BackendTurn("http://x", "/v1/chat/completions", body, PromptIds.of([1, 2, 3]), {})
+    client = UpstreamClient()
+    compact = SglangBackend(client, compact_requests=True).upstream_body(turn)
+    whole = SglangBackend(client, compact_requests=False).upstream_body(turn)
+    assert compact["messages"] == [{"role": "user", "content": ""}] and compact["tools"] == body["tools"]
+    assert whole["messages"] == body["messages"] and body["messages"][0]["content"] == "hi"
+    assert {k: v for k, v in compact.items() if k != "messages"} == {k: v for k, v in whole.items() if k != "messages"}

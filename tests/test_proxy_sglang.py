@@ -115,6 +115,8 @@ def test_twenty_turn_tool_session_is_token_exact(proxy, fresh, record_dir) -> No
         if turn:  # the echo proved this backend honours input_ids on its first turn (tests/test_prompt_echo.py)
             assert "return_prompt_token_ids" not in body
         assert body["tools"] == TOOLS
+        # sglang reads no message when given input_ids (backends/parser_inputs.py): the conversation stays here.
+        assert body["messages"] == [{"role": "user", "content": ""}]
         if turn:  # a line holds only what the turn added, never the whole prompt again
             assert len(record.prompt_added_ids) < 80 < record.prompt_len
             assert record.tools is None

@@ -14,8 +14,8 @@ import openai
 import pytest
 from conftest import TOOLS, cached_engine, tokenizer_path
 from proxy_harness import Mitmdump, post
-from test_derender_inputs import expected_seed
 from test_live_streaming import vllm_proxy
+from test_parser_inputs import expected_seed
 from upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file

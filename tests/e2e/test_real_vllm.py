@@ -25,7 +25,7 @@ import openai
 import pytest
 from conftest import TOOLS, cached_engine, tokenizer_path
 from proxy_harness import REPO, Mitmdump
-from test_derender_inputs import expected_seed
+from test_parser_inputs import expected_seed
 from upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file

@@ -16,13 +16,13 @@ def make_backend(
     *,
     verify_echo: bool = False,
     merge_stream_chunks: bool = False,
-    compact_derender: bool = False,
+    compact_requests: bool = False,
 ) -> Backend:
     """`merge_stream_chunks`: vLLM may derender the generate chunks that arrived during a call as one (see
-    `ModelFamily.chunking_invariant_parsers`); `compact_derender`: derender may be sent a seed of the prompt and no
-    messages (`ModelFamily.compact_derender`)."""
+    `ModelFamily.chunking_invariant_parsers`); `compact_requests`: the parsers are sent only what they read (vLLM
+    derender a seed of the prompt, neither server the conversation; `ModelFamily.compact_requests`)."""
     if kind == "sglang":
-        return SglangBackend(client, verify_echo=verify_echo)
+        return SglangBackend(client, verify_echo=verify_echo, compact_requests=compact_requests)
     if kind == "vllm":
-        return VllmBackend(client, merge_stream_chunks=merge_stream_chunks, compact_derender=compact_derender)
+        return VllmBackend(client, merge_stream_chunks=merge_stream_chunks, compact_requests=compact_requests)
     raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

@@ -30,6 +30,7 @@ from tito_addon.backends.backend_protocol import (
     trajectory_message,
     weight_version_of,
 )
+from tito_addon.backends.parser_inputs import sglang_messages
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
 from tito_addon.canonical_chat import ChatRequest
@@ -58,9 +59,11 @@ def metadata_weight_version(body: dict[str, Any]) -> str | None:
 class SglangBackend:
     kind = "sglang"
 
-    def __init__(self, client: UpstreamClient, *, verify_echo: bool = False) -> None:
+    def __init__(self, client: UpstreamClient, *, verify_echo: bool = False, compact_requests: bool = False) -> None:
         self.client = client
         self.verify_echo = verify_echo
+        # Send only the messages sglang reads when given input_ids (`parser_inputs`), for the known families.
+        self.compact_requests = compact_requests
         self._versions: dict[str, tuple[int, ...] | None] = {}
         self._asking: dict[str, asyncio.Future[tuple[int, ...] | None]] = {}
         self._echo_verified: set[str] = set()
@@ -101,7 +104,7 @@ class SglangBackend:
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
         """A streamed chat completion on our `input_ids`; the ids it ran on and produced arrive in the final
         sglext block, the logprobs chunk by chunk."""
-        body = {k: v for k, v in turn.chat_body.items() if k not in ("stream_options", "return_meta_info")}
+        body = self.agent_fields(turn, ("stream_options", "return_meta_info"))
         body.update(
             input_ids=turn.prompt_ids,
             logprobs=True,
@@ -156,19 +159,24 @@ class SglangBackend:
         logprobs = checked_logprobs(values, len(completion_ids))
         yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs, weight=(weight, None))
 
-    @staticmethod
-    def upstream_body(turn: BackendTurn, echo: bool = True) -> dict[str, Any]:
+    def agent_fields(self, turn: BackendTurn, dropped: tuple[str, ...]) -> dict[str, Any]:
+        """The agent's body less `dropped`, its messages cut to what sglang reads where the family allows."""
+        body = {k: v for k, v in turn.chat_body.items() if k not in dropped}
+        if self.compact_requests and isinstance(body.get("messages"), list):
+            body["messages"] = sglang_messages(body["messages"], body.get("continue_final_message"))
+        return body
+
+    def upstream_body(self, turn: BackendTurn, echo: bool = True) -> dict[str, Any]:
         """The agent's body with our fields forced; `input_ids` is spliced in by `upstream_payload`."""
-        body = {k: v for k, v in turn.chat_body.items() if k not in ("stream_options", "input_ids")}
+        body = self.agent_fields(turn, ("stream_options", "input_ids"))
         body.update(logprobs=True, return_meta_info=True, stream=False)
         if echo:
             body["return_prompt_token_ids"] = True
         return body
 
-    @classmethod
-    def upstream_payload(cls, turn: BackendTurn, echo: bool = True) -> bytes:
+    def upstream_payload(self, turn: BackendTurn, echo: bool = True) -> bytes:
         """The request bytes: the prompt's ids go in as ready JSON text instead of being re-encoded."""
-        head = dumps(cls.upstream_body(turn, echo))
+        head = dumps(self.upstream_body(turn, echo))
         return b"".join((head[:-1], b',"input_ids":[', turn.prompt.json, b"]}"))  # one copy of a ~1 MB prompt
 
     async def must_echo(self, turn: BackendTurn) -> bool:

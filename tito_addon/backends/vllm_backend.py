@@ -35,7 +35,7 @@ from tito_addon.backends.backend_protocol import (
     weight_spans_of,
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
-from tito_addon.backends.derender_inputs import derender_chat_request, prompt_seed
+from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
@@ -85,15 +85,15 @@ class VllmBackend:
     kind = "vllm"
 
     def __init__(
-        self, client: UpstreamClient, *, merge_stream_chunks: bool = False, compact_derender: bool = False
+        self, client: UpstreamClient, *, merge_stream_chunks: bool = False, compact_requests: bool = False
     ) -> None:
         self.client = client
         self._versions: dict[str, VllmVersion] = {}
         # Derender the generate chunks that arrived during a streaming derender call as one (parsers that give
         # the same message however the output is chunked); else one call per chunk.
         self.merge_stream_chunks = merge_stream_chunks
-        # Send derender a seed of the prompt and no messages (`derender_inputs`): parsers known to read no more.
-        self.compact_derender = compact_derender
+        # Send derender a seed of the prompt and no messages (`parser_inputs`): parsers known to read no more.
+        self.compact_requests = compact_requests
 
     def check_request(self, request: ChatRequest) -> None:
         if not request.model:
@@ -156,7 +156,7 @@ class VllmBackend:
         generated, _ = await self._call(turn.base_url + GENERATE_PATH, generate_request, turn.headers, "generate")
         completion_ids, logprobs, finish = self.harvest_generate(generated, turn.prompt_ids)
         # 0.32+ derender reads the prompt from the generate response's echo (checked above) and the seed field.
-        compact = self.compact_derender and version.at_least(0, 32)
+        compact = self.compact_requests and version.at_least(0, 32)
         seed = prompt_seed(turn.prompt_ids, turn.special_ids) if compact else turn.prompt_ids
         if compact and generated.get("prompt_token_ids") is not None:
             generated = {**generated, "prompt_token_ids": seed}
@@ -202,10 +202,10 @@ class VllmBackend:
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         held = LeadingWhitespace()
         # What every derender call repeats: a seed of the prompt and the request without its messages, where the
-        # family's parsers are known to read no more (`derender_inputs`), and never `stop` on 0.33.
-        seed = prompt_seed(turn.prompt_ids, turn.special_ids) if self.compact_derender else turn.prompt_ids
+        # family's parsers are known to read no more (`parser_inputs`), and never `stop` on 0.33.
+        seed = prompt_seed(turn.prompt_ids, turn.special_ids) if self.compact_requests else turn.prompt_ids
         derender_chat = derender_chat_request(
-            chat, compact=self.compact_derender, streaming=True, refuses_stop=version.at_least(0, 33)
+            chat, compact=self.compact_requests, streaming=True, refuses_stop=version.at_least(0, 33)
         )
         events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
         # One derender call at a time: the generate chunks that arrive meanwhile go to the next call as one chunk.

@@ -51,10 +51,11 @@ class ModelFamily:
     # qwen3 tool parsers; harmony). Not for deepseek_v3 or mistral (0.31) tool parsers: chunked differently, they
     # were measured to lose content or arguments, so those turns keep one derender call per generate chunk.
     chunking_invariant_parsers: bool = False
-    # vLLM's derender parsers for this family read of the prompt only its last ids and which special token came last,
-    # and of the chat request never the messages (`backends/derender_inputs.py`), so derender is sent a seed of the
-    # prompt and no messages. False (the default family, whose server parsers are unknown): the whole of both.
-    compact_derender: bool = False
+    # The servers' parsers for this family read of the prompt only its last ids and which special token came last
+    # (vLLM derender), and of the conversation nothing (vLLM derender; sglang given input_ids reads only tool-bearing
+    # system messages and an assistant prefill): `backends/parser_inputs.py`. So they are sent a seed of the prompt
+    # and no conversation. False (the default family, whose server parsers are unknown): the whole of both.
+    compact_requests: bool = False
 
     def thinking_kwargs(self, enabled: bool | None) -> dict[str, Any]:
         if enabled is None or self.thinking_switch is None:
@@ -78,7 +79,7 @@ FAMILIES: dict[str, ModelFamily] = {
         single_token_newline=True,
         thinking_switch="enable_thinking",
         chunking_invariant_parsers=True,
-        compact_derender=True,
+        compact_requests=True,
     ),
     "qwen2.5": ModelFamily(
         name="qwen2.5",
@@ -88,7 +89,7 @@ FAMILIES: dict[str, ModelFamily] = {
         ),
         single_token_newline=True,
         chunking_invariant_parsers=True,
-        compact_derender=True,
+        compact_requests=True,
     ),
     "deepseek-r1": ModelFamily(
         name="deepseek-r1",
@@ -99,7 +100,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "at the start."
         ),
         template_file="deepseek_r1_keep_thinking.jinja",
-        compact_derender=True,
+        compact_requests=True,
         refused_append_roles={"system": _SYSTEM_AT_START},
     ),
     "gpt-oss": ModelFamily(
@@ -115,7 +116,7 @@ FAMILIES: dict[str, ModelFamily] = {
         tool_call_name_pattern=r"to=functions\.([^\s<]+)",
         stop_tokens=("<|return|>", "<|call|>"),
         chunking_invariant_parsers=True,
-        compact_derender=True,
+        compact_requests=True,
     ),
     "mistral": ModelFamily(
         name="mistral",
@@ -125,7 +126,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "emits. System messages only at the start."
         ),
         template_file="mistral_v3_append_only.jinja",
-        compact_derender=True,
+        compact_requests=True,
         refused_append_roles={
             "system": (
                 "its template accepts a system message only as the first message (it is merged into the first "

@@ -227,7 +227,7 @@ class TitoAddon:
                 self.client,
                 verify_echo=settings.verify_prompt_echo,
                 merge_stream_chunks=engine.family.chunking_invariant_parsers,
-                compact_derender=engine.family.compact_derender,
+                compact_requests=engine.family.compact_requests,
             ),  # fmt: skip
             self.store,
             # With a shared store several processes write turns of one session: each its own part of the file.
