@@ -112,9 +112,10 @@ def test_a_codex_shaped_session_is_token_exact(proxy, replica) -> None:
         assert response.usage.output_tokens == len(turn.completion_ids)
     assert any("web_search" in note for note in turns[0].left_out)
     # The developer messages are system messages to the model; a namespaced tool is offered as namespace__name.
+    assert [m["role"] for m in turns[0].appended_messages[:2]] == ["system", "system"]
     sent = replica.received()[0]
-    assert [m["role"] for m in sent["messages"][:2]] == ["system", "system"]
     assert [t["function"]["name"] for t in sent["tools"]] == ["get_weather", "clock__get_time"]
+    assert sent["messages"] == [{"role": "user", "content": ""}], "sglang reads none of them given input_ids"
 
 
 def test_stream_accumulates_to_the_same_response_as_create(proxy, replica) -> None:
