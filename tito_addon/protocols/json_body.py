@@ -61,14 +61,20 @@ def _looks_compact(body: bytes) -> bool:
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """The body's JSON object; BadRequest for bytes that are not UTF-8, not JSON, too deep or not an object."""
+    return read_json_object(body)[0]
+
+
+def read_json_object(body: bytes) -> tuple[dict[str, Any], bool]:
+    """The body's JSON object, and whether the body is exactly `orjson.dumps` of it (so each member's bytes are
+    its own `orjson.dumps`, which `known_requests` relies on to find where the messages end)."""
     if _looks_compact(body):
         try:
             obj = orjson.loads(body)
             if type(obj) is dict and orjson.dumps(obj) == body:
-                return obj
+                return obj, True
         except Exception:  # whatever orjson refuses, the strict parse decides, with today's message
             pass
-    return _parse_strict(body)
+    return _parse_strict(body), False
 
 
 def validated[M: BaseModel](model: type[M], obj: dict[str, Any], what: str, *, bounded: bool = False) -> M:

@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from tito_addon.canonical_chat import ChatMessage, ChatRequest, json_value_problem
 from tito_addon.protocols.agent_api import EVENT_STREAM_HEADERS, AgentRequest, ReplyContext, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import parse_json_object, validated
+from tito_addon.protocols.json_body import read_json_object, validated
 from tito_addon.protocols.known_messages import KnownMessages
+from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
 DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
@@ -28,6 +29,8 @@ CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v
 SSE_HEADERS = {**EVENT_STREAM_HEADERS, "x-tito-stream": "reframed"}
 # The messages of this process's recent requests, validated: an agent's next request re-sends them.
 KNOWN_MESSAGES = KnownMessages()
+# Their bodies: the next request begins with the previous one's bytes, which need no parse.
+KNOWN_REQUESTS = KnownRequests(KNOWN_MESSAGES.budget_bytes)
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -44,18 +47,27 @@ def parse_body(body: bytes) -> ChatRequest:
 
 def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
-    obj = parse_json_object(body)
+    extension = KNOWN_REQUESTS.extend(body)
+    if extension is None:
+        obj, exact = read_json_object(body)
+        prior: tuple[ChatMessage, ...] = ()
+    else:
+        obj, exact, prior = extension.obj, True, extension.known.messages
     raw_messages = obj.get("messages")
     if type(raw_messages) is not list or not raw_messages:
         return validated(ChatRequest, obj, "chat request"), obj
-    encodings = [KNOWN_MESSAGES.encoding(raw) for raw in raw_messages]
-    found = [KNOWN_MESSAGES.find(encoded, raw) for encoded, raw in zip(encodings, raw_messages, strict=True)]
+    new = raw_messages[len(prior) :]
+    encodings = [KNOWN_MESSAGES.encoding(raw) for raw in new]
+    found = [*prior, *(KNOWN_MESSAGES.find(encoded, raw) for encoded, raw in zip(encodings, new, strict=True))]
     request = _with_known_messages(obj, raw_messages, found) if any(found) else None
     if request is None:
         request = validated(ChatRequest, obj, "chat request")
-    for encoded, raw, known, message in zip(encodings, raw_messages, found, request.messages, strict=True):
+    appended = request.messages[len(prior) :]
+    for encoded, raw, known, message in zip(encodings, new, found[len(prior) :], appended, strict=True):
         if known is None:
             KNOWN_MESSAGES.remember(encoded, raw, message)
+    if exact:
+        KNOWN_REQUESTS.remember(body, obj, request.messages, encodings, extension)
     return request, obj
 
 

@@ -28,7 +28,7 @@ from tito_addon.engine.prompt_ids import EncodedPrefixes
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.http_reply import HttpReply, json_reply
-from tito_addon.protocols.openai_chat import KNOWN_MESSAGES
+from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.episode_naming import EPISODE
@@ -134,7 +134,8 @@ class TitoAddon:
             "tito_message_memo_mb",
             int,
             128,
-            "Memory for recent requests' validated messages, so a re-sent history is not validated again.",
+            "Memory for recent requests' validated messages, and as much again for their bytes, so a re-sent "
+            "history is neither parsed nor validated again.",
         )
         loader.add_option(
             "tito_session_idle_timeout", int, 1800, "Close a session unused for this many seconds (0: never)."
@@ -217,6 +218,7 @@ class TitoAddon:
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
         KNOWN_MESSAGES.resize(settings.message_memo_mb * 1024 * 1024)
+        KNOWN_REQUESTS.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
         self.settings = settings
         self.engine = engine

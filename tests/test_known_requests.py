@@ -1,0 +1,173 @@
+"""A request that begins with the bytes of one read before parses only what follows them
+(protocols/known_requests.py): it reads exactly as a parse of the whole body would, the same validated request,
+the same object, the same 400 with the same words, whatever bytes follow the known prefix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tito_addon.protocols import openai_chat
+from tito_addon.protocols.known_messages import KnownMessages
+from tito_addon.protocols.known_requests import STEP, KnownRequests
+from tito_addon.sessions.message_keys import message_key
+from tito_addon.tito_errors import BadRequest
+
+SYSTEM = {"role": "system", "content": "You are a data agent. " * 4}
+RESULT = " ".join(f"row {i}: value={i * 37 % 1000} status=ok" for i in range(40))
+
+
+def compact(obj: dict) -> bytes:
+    """A body as openai-python and most agents write it: compact, UTF-8 as is."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def session(agent: int, turns: int) -> list[bytes]:
+    messages = [SYSTEM, {"role": "user", "content": f"Agent {agent}: go, Zürich."}]
+    bodies = []
+    for turn in range(turns):
+        bodies.append(compact({"model": "m", "messages": messages, "temperature": 0.5, "stream": False}))
+        call = {"id": f"c{agent}-{turn}", "type": "function", "function": {"name": "query", "arguments": "{}"}}
+        messages = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": f"{turn}: {RESULT}"}]  # fmt: skip
+    return bodies
+
+
+@pytest.fixture
+def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
+    requests = KnownRequests(64 * 1024 * 1024)
+    monkeypatch.setattr(openai_chat, "KNOWN_REQUESTS", requests)
+    monkeypatch.setattr(openai_chat, "KNOWN_MESSAGES", KnownMessages())
+    return requests
+
+
+def read(data: bytes) -> tuple[object, object, list[bytes] | None] | str:
+    """The request as validated, the object forwarded and the keys; or the refusal's words."""
+    try:
+        request, obj = openai_chat.parse_request(data)
+    except BadRequest as exc:
+        return str(exc)
+    return request.model_dump(), obj, [message_key(m) for m in request.messages]
+
+
+def read_whole(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[object, object, list[bytes] | None] | str:
+    with monkeypatch.context() as patch:
+        patch.setattr(openai_chat, "KNOWN_REQUESTS", KnownRequests(0))
+        patch.setattr(openai_chat, "KNOWN_MESSAGES", KnownMessages(budget_bytes=0))
+        return read(data)
+
+
+def test_each_turn_of_a_session_parses_only_what_was_appended(
+    known: KnownRequests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bodies = session(0, 12)
+    assert len(bodies[-1]) > 3 * STEP, "the last requests span several index steps"
+    previous = None
+    for body in bodies:
+        request, _ = openai_chat.parse_request(body)
+        if previous is not None:
+            assert all(a is b for a, b in zip(previous.messages, request.messages, strict=False)), "read once"
+        assert read(body) == read_whole(body, monkeypatch)
+        previous = request
+    # every body after the first twice (parse + read), the first once (its read)
+    assert known.hits == 2 * (len(bodies) - 1) + 1
+
+
+def test_many_agents_with_the_same_system_prompt_each_find_their_own_request(
+    known: KnownRequests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sessions = [session(agent, 6) for agent in range(12)]
+    for turn in range(6):
+        for bodies in sessions:
+            assert read(bodies[turn]) == read_whole(bodies[turn], monkeypatch)
+    assert known.hits == 12 * 5
+
+
+def test_a_retry_of_the_same_request_is_a_hit_and_remembered_once(known: KnownRequests) -> None:
+    body = session(0, 3)[-1]
+    first, _ = openai_chat.parse_request(body)
+    again, _ = openai_chat.parse_request(body)
+    assert known.hits == 1 and len(known) == 1
+    assert all(a is b for a, b in zip(first.messages, again.messages, strict=True))
+
+
+def test_an_edited_history_is_parsed_whole(known: KnownRequests, monkeypatch: pytest.MonkeyPatch) -> None:
+    bodies = session(0, 4)
+    openai_chat.parse_request(bodies[2])
+    edited = bodies[3].replace(b"Agent 0: go", b"Agent 0: Go")
+    assert read(edited) == read_whole(edited, monkeypatch)
+    assert known.hits == 0
+
+
+# What may follow the bytes of a known request, up to the end of its last message.
+FRAGMENTS = [
+    ",", "]", "}", "{", " ", ":", '"model"', '"messages"', '"x"', '"n"', "2", "1e400", "-0", "1.0", str(2**70),
+    "null", '"m"', "[]", '{"role":"user","content":"And Oslo?"}', '{"role":"robot","content":"x"}',
+    '{"role":"user","content":"a","content":"b"}', '{"role":"user","content":"\\ud800"}', ',"temperature":0.5',
+    ',"model":"other"', ',"stream":true', ',"messages":[]', '],"model":"m"}', '],"x":1}', "]}",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=8), st.sampled_from([",", "]", ""]))
+def test_whatever_follows_a_known_prefix_reads_as_the_whole_body(fragments: list[str], first: str) -> None:
+    prior = compact({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "Weather in Zürich?"}]})
+    end = prior.rindex(b"]")
+    data = prior[:end] + (first + "".join(fragments)).encode()
+    requests, messages = KnownRequests(1 << 20), KnownMessages()
+    original = openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES
+    try:
+        openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = requests, messages
+        openai_chat.parse_request(prior)
+        assert len(requests) == 1
+        with_memo = read(data)
+        openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = KnownRequests(0), KnownMessages(budget_bytes=0)
+        assert with_memo == read(data), data
+    finally:
+        openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = original
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        b'],"model":"x"}',  # a member sent before the messages, sent again after them
+        b',]}',  # a trailing comma
+        b',{"role":"user","content":"x","n":1e400}]}',
+        b',{"role":"user","content":"x"}],"messages":[]}',
+        b', {"role":"user","content":"x"}]}',  # not compact: parsed whole, and accepted
+    ],
+)
+def test_what_the_strict_parse_refuses_is_still_refused(
+    after: bytes, known: KnownRequests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prior = compact({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "Weather in Zürich?"}]})
+    openai_chat.parse_request(prior)
+    data = prior[: prior.rindex(b"]")] + after
+    assert read(data) == read_whole(data, monkeypatch)
+    if after.startswith(b", "):
+        assert not isinstance(read(data), str)
+    else:
+        assert isinstance(read(data), str)
+
+
+def test_bounded_and_an_extended_request_is_forgotten_first(known: KnownRequests) -> None:
+    bodies, other = session(0, 8), session(1, 2)
+    openai_chat.parse_request(other[0])
+    openai_chat.parse_request(bodies[0])
+    openai_chat.parse_request(bodies[1])  # extends bodies[0], which goes to the cold end
+    assert len(known) == 3 and known.hits == 1
+    room = known.used_bytes - 1
+    known.resize(room)
+    assert known.used_bytes <= room and len(known) == 2
+    openai_chat.parse_request(other[1])
+    assert known.hits == 2, "the other agent's request was kept, the extended one dropped"
+    for body in bodies[2:]:
+        openai_chat.parse_request(body)
+        assert known.used_bytes <= room
+    known.resize(64 * 1024 * 1024)
+    for body in bodies[2:]:
+        openai_chat.parse_request(body)
+    assert known.hits == 2 + len(bodies[2:]) - 1, "each later request extends the one before, once remembered"

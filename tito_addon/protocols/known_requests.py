@@ -1,0 +1,185 @@
+"""Chat requests already read, found again by their bytes, so that a turn parses only what its agent appended.
+
+An agent's next request is its previous one with messages appended: at turn 200 the first ~340 KiB of a 345 KiB
+body are bytes this process parsed and validated one turn ago. When a body begins with the bytes of a request read
+before, up to the end of that request's last message, and the next byte continues the messages array, the new body
+is read as: the members and messages of the known request, then a parse of only what follows. That is exactly what
+parsing the whole body gives, because a JSON parse of a prefix is determined by its bytes; one `startswith` (a
+memcmp) proves the prefix.
+
+Only bodies that are exactly `orjson.dumps` of their object are remembered (`json_body.read_json_object`), so a
+member's bytes are its own encoding and the end of the messages is computed, not searched. The rest of a hit is held
+to the same standard: the appended part must be exactly `orjson.dumps` of what it parsed to (no duplicate key, no
+inexact number) and may not repeat a member sent before the messages, or the whole body is parsed the strict way
+and refused as it always was.
+
+Finding the known request costs no parse either: each is indexed by the 64 bytes before the last multiple of 4 KiB
+at or under its end (or by its first 64 bytes when shorter), and a body looks up those offsets from its end down.
+Entries are bounded by an estimate of their memory, least recently used first; a request that a later one extended
+goes to the cold end, so one agent's long session keeps its newest request rather than all its old ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+MESSAGES_OPEN = b'"messages":['
+STEP = 4096
+ANCHOR = 64
+MAX_CANDIDATES = 64  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
+# The prefix's bytes, and the parsed strings and validated models it keeps alive when the message memo has let go.
+ENTRY_OVERHEAD = 1024
+
+
+@dataclass(slots=True, eq=False)
+class KnownRequest:
+    prefix: bytes  # the body up to the end of its last message
+    before: dict[str, Any]  # the members sent before "messages", as parsed
+    raw_messages: tuple[Any, ...]
+    messages: tuple[Any, ...]  # each raw message as validated
+    anchor: tuple[int, bytes]
+
+    @property
+    def footprint(self) -> int:
+        return 3 * len(self.prefix) + 16 * len(self.messages) + ENTRY_OVERHEAD
+
+
+@dataclass(slots=True)
+class Extension:
+    known: KnownRequest
+    obj: dict[str, Any]  # the whole request, as parsing all of it gives
+    appended: list[Any]  # the raw messages after the known ones
+
+
+def anchor_of(body: bytes, end: int) -> tuple[int, bytes]:
+    at = end // STEP * STEP
+    if at < ANCHOR:
+        at = ANCHOR
+    return at, body[at - ANCHOR : at]
+
+
+def messages_end(body: bytes, before: dict[str, Any], encodings: list[bytes]) -> int | None:
+    """Where the messages array of an exact body closes (its `]`), from the encodings of what precedes it."""
+    start = len(orjson.dumps(before)) - 1 + (1 if before else 0) + len(MESSAGES_OPEN)
+    end = start + sum(map(len, encodings)) + max(len(encodings) - 1, 0)
+    if body[start - len(MESSAGES_OPEN) : start] != MESSAGES_OPEN or body[end : end + 1] != b"]":
+        return None
+    return end
+
+
+class KnownRequests:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self.hits = 0
+        self._entries: OrderedDict[int, KnownRequest] = OrderedDict()
+        self._index: dict[tuple[int, bytes], list[KnownRequest]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def extend(self, body: bytes) -> Extension | None:
+        """`body` read as a known request plus what follows it, or None (then parse it all)."""
+        if not self._entries or len(body) <= 2 * ANCHOR:
+            return None
+        for at in (*range((len(body) - 2) // STEP * STEP, 0, -STEP), ANCHOR):
+            candidates = self._index.get((at, body[at - ANCHOR : at]))
+            if candidates:
+                extension = self._longest(body, candidates)
+                if extension is not None:
+                    return extension
+        return None
+
+    def _longest(self, body: bytes, candidates: list[KnownRequest]) -> Extension | None:
+        for known in sorted(candidates, key=lambda k: len(k.prefix), reverse=True):
+            end = len(known.prefix)
+            if body[end : end + 1] not in (b",", b"]") or not body.startswith(known.prefix):
+                continue
+            extension = _read_rest(body, known)
+            if extension is None:
+                return None  # the bytes after a proven prefix are what they are: the strict parse decides
+            self.hits += 1
+            self._entries.move_to_end(id(known), last=not extension.appended)
+            return extension
+        return None
+
+    def remember(
+        self, body: bytes, obj: dict[str, Any], messages: list[Any], encodings: list[bytes | None],
+        extended: Extension | None,
+    ) -> None:  # fmt: skip
+        """Keep an exact body read as `obj` with its validated `messages`; `encodings` are those of the messages
+        after the `extended` known request's (all of them when there was none)."""
+        if any(encoded is None for encoded in encodings):
+            return
+        raw_messages = obj["messages"]
+        if extended is None:
+            before: dict[str, Any] = {}
+            for name, value in obj.items():
+                if name == "messages":
+                    break
+                before[name] = value
+            end = messages_end(body, before, encodings)  # type: ignore[arg-type]
+            if end is None:
+                return
+        elif not encodings:
+            return  # the known request again (a retry, another sample): it is remembered already
+        else:
+            before = extended.known.before
+            end = len(extended.known.prefix) + sum(map(len, encodings)) + len(encodings)  # type: ignore[arg-type]
+        if end < 2 * ANCHOR or body[end : end + 1] != b"]":
+            return
+        known = KnownRequest(body[:end], before, tuple(raw_messages), tuple(messages), anchor_of(body, end))
+        if known.footprint > self.budget_bytes:
+            return
+        self._entries[id(known)] = known
+        bucket = self._index.setdefault(known.anchor, [])
+        bucket.append(known)
+        if len(bucket) > MAX_CANDIDATES:
+            self._forget(bucket[0])
+        self.used_bytes += known.footprint
+        self._shrink()
+
+    def resize(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._shrink()
+
+    def _shrink(self) -> None:
+        while self.used_bytes > self.budget_bytes and self._entries:
+            self._forget(next(iter(self._entries.values())))
+
+    def _forget(self, known: KnownRequest) -> None:
+        if self._entries.pop(id(known), None) is None:
+            return
+        self.used_bytes -= known.footprint
+        bucket = self._index[known.anchor]
+        bucket.remove(known)
+        if not bucket:
+            del self._index[known.anchor]
+
+
+def _read_rest(body: bytes, known: KnownRequest) -> Extension | None:
+    end = len(known.prefix)
+    comma = body[end] == 0x2C
+    text = b"{" + MESSAGES_OPEN + (body[end + 1 :] if comma else body[end:])  # the next message, or the `]`
+    try:
+        tail = orjson.loads(text)
+        if type(tail) is not dict or orjson.dumps(tail) != text:
+            return None
+    except Exception:  # whatever orjson refuses, the strict parse of the whole body decides
+        return None
+    appended = tail["messages"]
+    if comma and not appended:
+        return None  # `},]`: the comma promised a message (the strict parse refuses the trailing comma)
+    obj = dict(known.before)
+    obj["messages"] = [*known.raw_messages, *appended]
+    for name, value in tail.items():
+        if name in obj:
+            if name == "messages":
+                continue
+            return None  # a member sent twice: the strict parse refuses it
+        obj[name] = value
+    return Extension(known, obj, appended)
