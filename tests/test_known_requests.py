@@ -134,7 +134,7 @@ def test_whatever_follows_a_known_prefix_reads_as_the_whole_body(fragments: list
     "after",
     [
         b'],"model":"x"}',  # a member sent before the messages, sent again after them
-        b',]}',  # a trailing comma
+        b",]}",  # a trailing comma
         b',{"role":"user","content":"x","n":1e400}]}',
         b',{"role":"user","content":"x"}],"messages":[]}',
         b', {"role":"user","content":"x"}]}',  # not compact: parsed whole, and accepted
