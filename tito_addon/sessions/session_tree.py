@@ -9,6 +9,7 @@ siblings: there is no lost update and no version to check.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -45,9 +46,15 @@ class ChildIndex:
                 self.by_length.pop(len(node.segment_keys), None)
 
     def candidates(self, keys: Sequence[MessageKey], start: int) -> Iterable[TurnNode]:
-        for length, table in self.by_length.items():
-            if start + length <= len(keys):
-                yield from table.get(tuple(keys[start : start + length]), ())
+        if len(self.by_length) == 1:  # the usual shape (every child appends as many messages): no generator
+            ((length, table),) = self.by_length.items()
+            return table.get(tuple(keys[start : start + length]), ()) if start + length <= len(keys) else ()
+        return [
+            node
+            for length, table in self.by_length.items()
+            if start + length <= len(keys)
+            for node in table.get(tuple(keys[start : start + length]), ())
+        ]
 
     def __len__(self) -> int:
         return sum(len(nodes) for table in self.by_length.values() for nodes in table.values())
@@ -97,7 +104,13 @@ class TurnNode:
         return out.tolist()
 
     def reasoning_compatible(self, reasonings: Sequence[str | None], start: int) -> bool:
+        if not self.keeps_reasoning:
+            return True  # nothing stored to disagree with (see reasoning_matches): no walk over its messages
         return all(reasoning_matches(stored, reasonings[start + i]) for i, stored in enumerate(self.segment_reasoning))
+
+    @functools.cached_property
+    def keeps_reasoning(self) -> bool:
+        return any(self.segment_reasoning)
 
 
 @dataclass(eq=False)
