@@ -24,7 +24,7 @@ from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.model_families import ModelFamily, suggest_family
 from tito_addon.engine.role_pieces import RolePieces
 from tito_addon.engine.template_messages import template_message
-from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path
+from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path, text_encoder
 from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class TokenEngine:
         if bad:
             raise ValueError(f"chat template kwargs may not set {', '.join(sorted(bad))}")
         self._fast = rust_fast_path(tokenizer, self.template)
+        self.encode = text_encoder(tokenizer, self._fast)
         if family.single_token_newline and len(self.encode("\n")) != 1:
             raise ValueError(f"family {family.name} needs a tokenizer that encodes '\\n' as one token")
         self.stop_ids = self._stop_ids()
@@ -120,11 +121,6 @@ class TokenEngine:
         )
 
     # -- primitives -------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return self._fast.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _encode_small(self, text: str) -> list[int]:
         """For the few short texts every turn repeats (the generation prompt): encoded once."""

@@ -1,15 +1,19 @@
 """Loading a tokenizer for the engine: the transformers tokenizer (never a model), the stop ids its local
-generation config declares, and the Rust tokenizer underneath when it gives the same ids.
+generation config declares, and the Rust tokenizer underneath when it gives the same ids (with `ascii_words` in front
+of it for ASCII text).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+from tito_addon.engine.ascii_words import ascii_words
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +59,19 @@ def rust_fast_path(tokenizer: Any, template: str) -> tokenizers.Tokenizer | None
             logger.info("tokenizer fast path disagrees with transformers; using transformers")
             return None
     return backend
+
+
+def text_encoder(tokenizer: Any, fast: tokenizers.Tokenizer | None) -> Callable[[str], list[int]]:
+    """The quickest way to the tokenizer's own ids for a text (no special tokens added): ASCII text through
+    `ascii_words` where the tokenizer's pipeline allows, the rest through the Rust tokenizer, else the wrapper."""
+    if fast is None:
+        return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+
+    def rust(text: str) -> list[int]:
+        return fast.encode(text, add_special_tokens=False).ids
+
+    words = ascii_words(fast)
+    if words is None:
+        return rust
+    words.fallback = rust
+    return words
