@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tito_addon.protocols import openai_chat
 from tito_addon.protocols.known_messages import KnownMessages
-from tito_addon.protocols.known_requests import STEP, KnownRequests
+from tito_addon.protocols.known_requests import MIN_PREFIX, STEP, KnownRequests
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.tito_errors import BadRequest
 
@@ -38,7 +38,7 @@ def session(agent: int, turns: int) -> list[bytes]:
 
 @pytest.fixture
 def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
-    requests = KnownRequests(64 * 1024 * 1024)
+    requests = KnownRequests(64 * 1024 * 1024, min_prefix=0)
     monkeypatch.setattr(openai_chat, "KNOWN_REQUESTS", requests)
     monkeypatch.setattr(openai_chat, "KNOWN_MESSAGES", KnownMessages())
     return requests
@@ -117,7 +117,7 @@ def test_whatever_follows_a_known_prefix_reads_as_the_whole_body(fragments: list
     prior = compact({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "Weather in Zürich?"}]})
     end = prior.rindex(b"]")
     data = prior[:end] + (first + "".join(fragments)).encode()
-    requests, messages = KnownRequests(1 << 20), KnownMessages()
+    requests, messages = KnownRequests(1 << 20, min_prefix=0), KnownMessages()
     original = openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES
     try:
         openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = requests, messages
@@ -171,3 +171,15 @@ def test_bounded_and_an_extended_request_is_forgotten_first(known: KnownRequests
     for body in bodies[2:]:
         openai_chat.parse_request(body)
     assert known.hits == 2 + len(bodies[2:]) - 1, "each later request extends the one before, once remembered"
+
+
+def test_short_requests_are_parsed_whole_and_long_ones_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    requests = KnownRequests(64 * 1024 * 1024)
+    monkeypatch.setattr(openai_chat, "KNOWN_REQUESTS", requests)
+    bodies = session(0, 12)
+    for body in bodies:
+        openai_chat.parse_request(body)
+    long = [body for body in bodies if len(body) > MIN_PREFIX + 2 * len(RESULT)]
+    assert long and len(long) < len(bodies)
+    assert requests.hits >= len(long) - 1
+    assert all(len(known.prefix) >= MIN_PREFIX for known in requests._entries.values())

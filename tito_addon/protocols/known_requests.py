@@ -14,7 +14,8 @@ inexact number) and may not repeat a member sent before the messages, or the who
 and refused as it always was.
 
 Finding the known request costs no parse either: each is indexed by the 64 bytes before the last multiple of 4 KiB
-at or under its end (or by its first 64 bytes when shorter), and a body looks up those offsets from its end down.
+at or under its end, and a body looks up those offsets from its end down. Requests under 8 KiB are parsed whole:
+that costs microseconds, and many agents' short requests share their bytes where they would be indexed.
 Entries are bounded by an estimate of their memory, least recently used first; a request that a later one extended
 goes to the cold end, so one agent's long session keeps its newest request rather than all its old ones.
 """
@@ -30,7 +31,9 @@ import orjson
 MESSAGES_OPEN = b'"messages":['
 STEP = 4096
 ANCHOR = 64
-MAX_CANDIDATES = 64  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
+MAX_CANDIDATES = 16  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
+# Below this a whole parse costs microseconds, and many agents' short requests look alike where they are indexed.
+MIN_PREFIX = 8192
 # The prefix's bytes, and the parsed strings and validated models it keeps alive when the message memo has let go.
 ENTRY_OVERHEAD = 1024
 
@@ -72,8 +75,9 @@ def messages_end(body: bytes, before: dict[str, Any], encodings: list[bytes]) ->
 
 
 class KnownRequests:
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, min_prefix: int = MIN_PREFIX) -> None:
         self.budget_bytes = budget_bytes
+        self.min_prefix = max(min_prefix, 2 * ANCHOR)
         self.used_bytes = 0
         self.hits = 0
         self._entries: OrderedDict[int, KnownRequest] = OrderedDict()
@@ -84,7 +88,7 @@ class KnownRequests:
 
     def extend(self, body: bytes) -> Extension | None:
         """`body` read as a known request plus what follows it, or None (then parse it all)."""
-        if not self._entries or len(body) <= 2 * ANCHOR:
+        if not self._entries or len(body) < self.min_prefix + 2:
             return None
         for at in (*range((len(body) - 2) // STEP * STEP, 0, -STEP), ANCHOR):
             candidates = self._index.get((at, body[at - ANCHOR : at]))
@@ -95,7 +99,7 @@ class KnownRequests:
         return None
 
     def _longest(self, body: bytes, candidates: list[KnownRequest]) -> Extension | None:
-        for known in sorted(candidates, key=lambda k: len(k.prefix), reverse=True):
+        for known in reversed(candidates):  # newest first: an agent's latest request is its longest
             end = len(known.prefix)
             if body[end : end + 1] not in (b",", b"]") or not body.startswith(known.prefix):
                 continue
@@ -130,7 +134,7 @@ class KnownRequests:
         else:
             before = extended.known.before
             end = len(extended.known.prefix) + sum(map(len, encodings)) + len(encodings)  # type: ignore[arg-type]
-        if end < 2 * ANCHOR or body[end : end + 1] != b"]":
+        if end < self.min_prefix or body[end : end + 1] != b"]":
             return
         known = KnownRequest(body[:end], before, tuple(raw_messages), tuple(messages), anchor_of(body, end))
         if known.footprint > self.budget_bytes:
