@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Any
 
-from tito_addon.canonical_chat import ChatRequest, parse_arguments
+import orjson
+from pydantic import ValidationError
+
+from tito_addon.canonical_chat import ChatMessage, ChatRequest, parse_arguments
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
     AgentRequest,
@@ -35,26 +39,22 @@ from tito_addon.protocols.agent_api import (
     backend_extensions,
     chunks_from_message,
 )
-from tito_addon.protocols.anthropic_models import (
-    ImageBlock,
-    MessagesRequest,
-    RedactedThinkingBlock,
-    TextBlock,
-    ThinkingBlock,
-    ToolChoice,
-    ToolParam,
-    ToolResultBlock,
-    ToolUseBlock,
+from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest, ToolChoice, ToolParam
+from tito_addon.protocols.anthropic_translation import (
+    KNOWN_ANTHROPIC_REQUESTS,
+    MessageTranslation,
+    Translation,
+    translate_message,
 )
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import parse_json_object, validated
-from tito_addon.protocols.turn_refs import TurnSigner, new_id
+from tito_addon.protocols.json_body import read_json_object, validated
+from tito_addon.protocols.known_requests import Extension
+from tito_addon.protocols.turn_refs import new_id
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
 
 MESSAGES_PATH = re.compile(
     r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?#]*)?)/v1/messages(?P<count>/count_tokens)?/?(?:\?.*)?$"
 )
-BILLING_PREFIX = "x-anthropic-billing-header"
 THINKING_PURPOSE = "anthropic-thinking"
 SSE_HEADERS = EVENT_STREAM_HEADERS
 ERROR_TYPES = {
@@ -62,102 +62,6 @@ ERROR_TYPES = {
     409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
     529: "overloaded_error",
 }  # fmt: skip
-
-
-def _text_of(blocks: list[TextBlock]) -> list[dict[str, str]]:
-    return [{"type": "text", "text": block.text} for block in blocks]
-
-
-def _no_images(blocks: list[Any], where: str) -> None:
-    if any(isinstance(block, ImageBlock) for block in blocks):
-        raise BadRequest(f"{where} holds an image: the served model family reads text only; nothing was forwarded")
-
-
-class Translation:
-    """One request's canonical messages, with the native item each came from and what the prompt leaves out."""
-
-    def __init__(self, signer: TurnSigner | None) -> None:
-        self.signer = signer
-        self.messages: list[dict[str, Any]] = []
-        self.item_of: list[int] = []
-        self.dropped: list[str] = []
-        self.signatures: list[tuple[str, str, str]] = []  # (where, signature, thinking) of the last assistant message
-
-    def add(self, item: int, message: dict[str, Any]) -> None:
-        self.messages.append(message)
-        self.item_of.append(item)
-
-    def system(self, item: int, content: str | list[TextBlock], where: str) -> None:
-        if isinstance(content, str):
-            if not content.startswith(BILLING_PREFIX):
-                self.add(item, {"role": "system", "content": content})
-            return
-        kept = [block for block in content if not block.text.startswith(BILLING_PREFIX)]
-        if len(kept) < len(content):
-            self.dropped.append(f"{where}: the {BILLING_PREFIX} block")
-        if kept:
-            self.add(item, {"role": "system", "content": _text_of(kept)})
-
-    def user(self, item: int, content: str | list[Any], where: str) -> None:
-        if isinstance(content, str):
-            self.add(item, {"role": "user", "content": content})
-            return
-        _no_images(content, where)
-        texts: list[TextBlock] = []
-        for block in content:
-            if isinstance(block, ToolResultBlock):
-                result = block.content
-                if isinstance(result, list):
-                    _no_images(result, f"{where} tool_result {block.tool_use_id}")
-                    result = "\n".join(part.text for part in result)
-                self.add(item, {"role": "tool", "tool_call_id": block.tool_use_id, "content": result or ""})
-            elif isinstance(block, TextBlock):
-                texts.append(block)
-            else:
-                raise BadRequest(f"{where}: a user message cannot hold a {block.type} block")
-        if texts:
-            self.add(item, {"role": "user", "content": _text_of(texts)})
-
-    def assistant(self, item: int, content: str | list[Any], where: str) -> None:
-        if isinstance(content, str):
-            self.add(item, {"role": "assistant", "content": content})
-            return
-        _no_images(content, where)
-        self.signatures = []  # only the newest assistant message is checked: older ones were, on earlier turns
-        thinking: list[str] = []
-        texts: list[TextBlock] = []
-        calls: list[dict[str, Any]] = []
-        for block in content:
-            if isinstance(block, ThinkingBlock):
-                thinking.append(block.thinking)
-                if block.signature and self.signer is not None:
-                    self.signatures.append((where, block.signature, block.thinking))
-            elif isinstance(block, RedactedThinkingBlock):
-                self.dropped.append(f"{where}: a redacted_thinking block (unreadable, left out of the prompt)")
-            elif isinstance(block, TextBlock):
-                texts.append(block)
-            elif isinstance(block, ToolUseBlock):
-                calls.append(
-                    {
-                        "id": block.id,
-                        "type": "function",
-                        "function": {"name": block.name, "arguments": arguments_text(block.input)},
-                    }
-                )
-            else:
-                raise BadRequest(f"{where}: an assistant message cannot hold a {block.type} block")
-        message: dict[str, Any] = {"role": "assistant", "content": _text_of(texts) if texts else None}
-        if thinking:
-            message["reasoning_content"] = "".join(thinking)
-        if calls:
-            message["tool_calls"] = calls
-        self.add(item, message)
-
-
-def arguments_text(arguments: dict[str, Any]) -> str:
-    """`input` as the JSON string a chat tool call carries (backends' chat models refuse an object there; the
-    message key and the template both read it back as a value, so the spelling is not identity)."""
-    return json.dumps(arguments, ensure_ascii=False)
 
 
 def chat_tools(tools: list[ToolParam] | None, dropped: list[str]) -> list[dict[str, Any]] | None:
@@ -188,8 +92,13 @@ class AnthropicMessagesApi(TranslatedApi):
     path = MESSAGES_PATH
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
-        raw = parse_json_object(body)
-        request = validated(MessagesRequest, raw, "messages request")
+        extension = KNOWN_ANTHROPIC_REQUESTS.extend(body)
+        if extension is None:
+            raw, exact = read_json_object(body)
+            prior: tuple[MessageTranslation, ...] = ()
+        else:
+            raw, exact, prior = extension.obj, True, extension.known.messages
+        request, appended = self._validated(raw, len(prior))
         if action == "turn" and request.max_tokens is None:
             raise BadRequest("invalid messages request at max_tokens: Field required")
         translation = Translation(self.signer)
@@ -198,18 +107,14 @@ class AnthropicMessagesApi(TranslatedApi):
             items.append({"role": "system", "content": raw["system"]})
             translation.system(0, request.system, "system")
         offset = len(items)
-        for position, message in enumerate(request.messages):
-            where = f"messages.{position}"
-            item = offset + position
-            if message.role == "system":
-                content = message.content
-                if not isinstance(content, str) and not all(isinstance(b, TextBlock) for b in content):
-                    raise BadRequest(f"{where}: a system message holds only text")
-                translation.system(item, content, where)  # type: ignore[arg-type]
-            elif message.role == "user":
-                translation.user(item, message.content, where)
-            else:
-                translation.assistant(item, message.content, where)
+        leading = len(translation.messages)
+        units = [*prior, *(translate_message(self.signer, len(prior) + i, m) for i, m in enumerate(appended))]
+        for position, unit in enumerate(units):
+            for message in unit.messages:
+                translation.add(offset + position, message)
+            translation.dropped += unit.dropped
+            if unit.signatures is not None:
+                translation.signatures = list(unit.signatures)
         items += raw["messages"]
         for where, signature, text in translation.signatures:
             if self.signer is not None and self.signer.verify_text(THINKING_PURPOSE, signature, text) is None:
@@ -233,7 +138,12 @@ class AnthropicMessagesApi(TranslatedApi):
         if request.stop_sequences:
             chat_body["stop"] = list(request.stop_sequences)
         chat_body.update(backend_extensions(raw))
-        chat = validated(ChatRequest, chat_body, "messages request", bounded=True)
+        known = [message for unit in prior for message in unit.chat]
+        chat = _with_known_chat(chat_body, leading, known) or validated(
+            ChatRequest, chat_body, "messages request", bounded=True
+        )
+        if exact:
+            self._remember(body, raw, units, chat.messages[leading:], extension)
         thinking = None if request.thinking is None else request.thinking.type != "disabled"
         return AgentRequest(
             chat=chat,
@@ -245,6 +155,39 @@ class AnthropicMessagesApi(TranslatedApi):
             dropped=dropped,
             extra={"model": request.model, "stop_sequences": request.stop_sequences or []},
         )
+
+    @staticmethod
+    def _validated(raw: dict[str, Any], known: int) -> tuple[MessagesRequest, list[MessageParam]]:
+        """The request validated, and its messages after the `known` first ones (validated on an earlier turn:
+        only the rest is, unless it is refused, when the whole request is, for the same words as always)."""
+        messages = raw.get("messages")
+        if known and isinstance(messages, list):
+            try:
+                request = validated(MessagesRequest, {**raw, "messages": messages[known:] or messages[-1:]}, "")
+                return request, request.messages if len(messages) > known else []
+            except BadRequest:
+                pass
+        request = validated(MessagesRequest, raw, "messages request")
+        return request, request.messages[known:]
+
+    @staticmethod
+    def _remember(
+        body: bytes, raw: dict[str, Any], units: list[MessageTranslation], chat: list[ChatMessage],
+        extension: Extension | None,
+    ) -> None:  # fmt: skip
+        """Keep this exact request with each native message's translation and validated chat messages."""
+        start = len(extension.known.messages) if extension is not None else 0
+        filled = []
+        at = 0
+        for unit in units:
+            count = len(unit.messages)
+            filled.append(unit if unit.chat else replace(unit, chat=tuple(chat[at : at + count])))
+            at += count
+        try:
+            encodings = [orjson.dumps(message) for message in raw["messages"][start:]]
+        except (TypeError, orjson.JSONEncodeError):
+            return
+        KNOWN_ANTHROPIC_REQUESTS.remember(body, raw, filled, encodings, extension)  # type: ignore[arg-type]
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_id("msg_")
@@ -272,6 +215,19 @@ class AnthropicMessagesApi(TranslatedApi):
 
     def count_tokens_body(self, count: int) -> bytes:
         return json.dumps({"input_tokens": count}).encode()
+
+
+def _with_known_chat(chat_body: dict[str, Any], leading: int, known: list[ChatMessage]) -> ChatRequest | None:
+    """The chat form validated with the messages validated on an earlier turn taken as they were; None when there
+    are none, or it is refused (the whole validation then says why)."""
+    if not known:
+        return None
+    messages = chat_body["messages"]
+    mixed = [*messages[:leading], *known, *messages[leading + len(known) :]]
+    try:
+        return ChatRequest.model_validate({**chat_body, "messages": mixed}, context={"bounded": True})
+    except (ValidationError, RecursionError):
+        return None
 
 
 def error_json(status: int, message: str) -> bytes:

@@ -27,6 +27,7 @@ from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.prompt_ids import EncodedPrefixes
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
+from tito_addon.protocols.anthropic_translation import KNOWN_ANTHROPIC_REQUESTS
 from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
 from tito_addon.protocols.routing import is_agent_path
@@ -218,7 +219,8 @@ class TitoAddon:
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
         KNOWN_MESSAGES.resize(settings.message_memo_mb * 1024 * 1024)
-        KNOWN_REQUESTS.resize(settings.message_memo_mb * 1024 * 1024)
+        for memo in (KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS):
+            memo.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
         self.settings = settings
         self.engine = engine

@@ -1,0 +1,152 @@
+"""An Anthropic Messages request that extends one read before translates only its appended messages
+(protocols/anthropic_translation.py): it reads exactly as the whole request does, the same canonical messages and
+chat body, the same native items, the same notes on what was left out (thinking signatures that are not ours
+included), the same refusal with the same words."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tito_addon.protocols import anthropic_messages
+from tito_addon.protocols.anthropic_messages import AnthropicMessagesApi
+from tito_addon.protocols.known_requests import KnownRequests
+from tito_addon.protocols.turn_refs import TurnSigner
+from tito_addon.sessions.message_keys import message_key
+from tito_addon.tito_errors import BadRequest
+
+SIGNER = TurnSigner(b"k" * 32)
+API = AnthropicMessagesApi(SIGNER)
+SYSTEM = [
+    {"type": "text", "text": "x-anthropic-billing-header: cc_version=2"},
+    {"type": "text", "text": "You are Claude Code. " * 200},
+]
+TOOLS = [{"name": "Bash", "description": "Run a command.", "input_schema": {"type": "object"}}]
+RESULT = "drwxr-xr-x  2 root root 4096 Nov 30 12:00 src\n" * 30
+
+
+def compact(obj: dict) -> bytes:
+    """As Claude Code writes a request: compact JSON, messages before system and tools."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def assistant(turn: int, signature: str) -> dict:
+    thinking = f"I should list the files ({turn})."
+    signed = SIGNER.sign_text(anthropic_messages.THINKING_PURPOSE, f"msg_{turn}", thinking)
+    blocks = [{"type": "thinking", "thinking": thinking, "signature": signed if signature == "ours" else "forged"}]
+    if turn % 3 == 1:
+        blocks.append({"type": "redacted_thinking", "data": "abc"})
+    blocks.append({"type": "tool_use", "id": f"toolu_{turn}", "name": "Bash", "input": {"command": "ls"}})
+    return {"role": "assistant", "content": blocks}
+
+
+def session(turns: int) -> list[bytes]:
+    messages: list[dict] = [
+        {"role": "user", "content": [{"type": "text", "text": "Fix the build, Zürich team."}]},
+    ]
+    bodies = []
+    for turn in range(turns):
+        body = {"model": "claude", "messages": messages, "system": SYSTEM, "tools": TOOLS, "max_tokens": 4096,
+                "stream": True}  # fmt: skip
+        bodies.append(compact(body))
+        answer = assistant(turn, "forged" if turn % 4 == 2 else "ours")
+        if turn % 5 == 3:
+            answer = {"role": "assistant", "content": f"Plain answer {turn}."}  # keeps the newest signatures
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": f"{turn}\n{RESULT}"}
+        messages = [*messages, answer, {"role": "user", "content": [result]}]
+        if turn % 6 == 4:
+            messages.append({"role": "system", "content": f"Environment changed ({turn})."})
+    return bodies
+
+
+def read(data: bytes) -> tuple | str:
+    try:
+        request = API.parse(data)
+    except BadRequest as exc:
+        return str(exc)
+    return (
+        request.chat.model_dump(), request.chat_body, request.items, request.item_of, request.dropped,
+        request.thinking, request.stream, request.extra, [message_key(m) for m in request.chat.messages],
+    )  # fmt: skip
+
+
+def read_whole(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple | str:
+    with monkeypatch.context() as patch:
+        patch.setattr(anthropic_messages, "KNOWN_ANTHROPIC_REQUESTS", KnownRequests(0))
+        return read(data)
+
+
+@pytest.fixture
+def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
+    requests = KnownRequests(64 * 1024 * 1024, min_prefix=0)
+    monkeypatch.setattr(anthropic_messages, "KNOWN_ANTHROPIC_REQUESTS", requests)
+    return requests
+
+
+def test_each_turn_translates_only_what_was_appended(known: KnownRequests, monkeypatch: pytest.MonkeyPatch) -> None:
+    bodies = session(14)
+    previous = None
+    forged = 0
+    for turn, body in enumerate(bodies):
+        request = API.parse(body)
+        forged += any("not ours" in note for note in request.dropped)
+        if turn >= 2:  # (the first request's messages end too early in its body to be remembered)
+            pairs = zip(previous.chat.messages[1:], request.chat.messages[1:], strict=False)  # after `system`
+            assert all(a is b for a, b in pairs), "the earlier messages are the ones validated then"
+        assert read(body) == read_whole(body, monkeypatch)
+        previous = request
+    assert known.hits == 2 * (len(bodies) - 2) + 1
+    assert forged >= 3, "the turns whose newest signatures are forged say so, as a whole read does"
+
+
+def test_a_retry_and_an_edited_history(known: KnownRequests, monkeypatch: pytest.MonkeyPatch) -> None:
+    bodies = session(6)
+    API.parse(bodies[4])
+    assert read(bodies[4]) == read_whole(bodies[4], monkeypatch) and known.hits == 1
+    edited = bodies[5].replace(b"Fix the build", b"Fix the tests")
+    assert read(edited) == read_whole(edited, monkeypatch) and known.hits == 1
+
+
+APPENDED = st.sampled_from(
+    [
+        '{"role":"user","content":"And now?"}',
+        '{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AA"}}]}',
+        '{"role":"robot","content":"x"}',
+        '{"role":"assistant","content":[{"type":"thinking","thinking":"t","signature":"forged"}]}',
+        '{"role":"assistant","content":"plain"}',
+        '{"role":"system","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]}',
+        '{"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_0","content":[{"type":"text","text":"ok"}]}]}',
+        '{"role":"user","content":"x","n":1e400}',
+    ]
+)  # fmt: skip
+TAILS = st.sampled_from(
+    [
+        '],"system":"Be brief.","max_tokens":10}',
+        '],"max_tokens":10,"model":"other"}',
+        '],"max_tokens":0}',
+        '],"tools":[{"name":""}],"max_tokens":10}',
+        "]}",
+        '],"max_tokens":10,"thinking":{"type":"enabled","budget_tokens":1024}}',
+    ]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(APPENDED, max_size=3), TAILS)
+def test_whatever_is_appended_reads_as_the_whole_request(appended: list[str], tail: str) -> None:
+    prior = session(3)[-1]
+    end = prior.index(b'],"system"')
+    data = prior[:end] + "".join("," + item for item in appended).encode() + tail.encode()
+    original = anthropic_messages.KNOWN_ANTHROPIC_REQUESTS
+    try:
+        anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = requests = KnownRequests(1 << 24, min_prefix=0)
+        API.parse(prior)
+        with_memo = read(data)
+        assert requests.hits <= 1
+        anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = KnownRequests(0)
+        assert with_memo == read(data), data[end - 20 :]
+    finally:
+        anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = original
