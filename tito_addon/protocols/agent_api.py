@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tito_addon.canonical_chat import ChatRequest
+from pydantic import ValidationError
+
+from tito_addon.canonical_chat import ChatMessage, ChatRequest
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
@@ -30,6 +32,19 @@ BACKEND_EXTENSIONS = (
 
 def backend_extensions(raw: dict[str, Any]) -> dict[str, Any]:
     return {name: raw[name] for name in BACKEND_EXTENSIONS if name in raw}
+
+
+def with_known_chat(chat_body: dict[str, Any], leading: int, known: list[ChatMessage]) -> ChatRequest | None:
+    """The chat form validated with the messages validated on an earlier turn taken as they were; None when there
+    are none, or it is refused (the whole validation then says why)."""
+    if not known:
+        return None
+    messages = chat_body["messages"]
+    mixed = [*messages[:leading], *known, *messages[leading + len(known) :]]
+    try:
+        return ChatRequest.model_validate({**chat_body, "messages": mixed}, context={"bounded": True})
+    except (ValidationError, RecursionError):
+        return None
 
 
 @dataclass(frozen=True)

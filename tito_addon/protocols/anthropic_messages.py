@@ -27,7 +27,6 @@ from dataclasses import replace
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatMessage, ChatRequest, parse_arguments
 from tito_addon.protocols.agent_api import (
@@ -38,6 +37,7 @@ from tito_addon.protocols.agent_api import (
     TurnOutcome,
     backend_extensions,
     chunks_from_message,
+    with_known_chat,
 )
 from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest, ToolChoice, ToolParam
 from tito_addon.protocols.anthropic_translation import (
@@ -97,7 +97,7 @@ class AnthropicMessagesApi(TranslatedApi):
             raw, exact = read_json_object(body)
             prior: tuple[MessageTranslation, ...] = ()
         else:
-            raw, exact, prior = extension.obj, True, extension.known.messages
+            raw, exact, prior = extension.obj, True, extension.known.state
         request, appended = self._validated(raw, len(prior))
         if action == "turn" and request.max_tokens is None:
             raise BadRequest("invalid messages request at max_tokens: Field required")
@@ -139,7 +139,7 @@ class AnthropicMessagesApi(TranslatedApi):
             chat_body["stop"] = list(request.stop_sequences)
         chat_body.update(backend_extensions(raw))
         known = [message for unit in prior for message in unit.chat]
-        chat = _with_known_chat(chat_body, leading, known) or validated(
+        chat = with_known_chat(chat_body, leading, known) or validated(
             ChatRequest, chat_body, "messages request", bounded=True
         )
         if exact:
@@ -176,7 +176,7 @@ class AnthropicMessagesApi(TranslatedApi):
         extension: Extension | None,
     ) -> None:  # fmt: skip
         """Keep this exact request with each native message's translation and validated chat messages."""
-        start = len(extension.known.messages) if extension is not None else 0
+        start = len(extension.known.raw_messages) if extension is not None else 0
         filled = []
         at = 0
         for unit in units:
@@ -187,7 +187,7 @@ class AnthropicMessagesApi(TranslatedApi):
             encodings = [orjson.dumps(message) for message in raw["messages"][start:]]
         except (TypeError, orjson.JSONEncodeError):
             return
-        KNOWN_ANTHROPIC_REQUESTS.remember(body, raw, filled, encodings, extension)  # type: ignore[arg-type]
+        KNOWN_ANTHROPIC_REQUESTS.remember(body, raw, tuple(filled), encodings, extension)  # type: ignore[arg-type]
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_id("msg_")
@@ -215,19 +215,6 @@ class AnthropicMessagesApi(TranslatedApi):
 
     def count_tokens_body(self, count: int) -> bytes:
         return json.dumps({"input_tokens": count}).encode()
-
-
-def _with_known_chat(chat_body: dict[str, Any], leading: int, known: list[ChatMessage]) -> ChatRequest | None:
-    """The chat form validated with the messages validated on an earlier turn taken as they were; None when there
-    are none, or it is refused (the whole validation then says why)."""
-    if not known:
-        return None
-    messages = chat_body["messages"]
-    mixed = [*messages[:leading], *known, *messages[leading + len(known) :]]
-    try:
-        return ChatRequest.model_validate({**chat_body, "messages": mixed}, context={"bounded": True})
-    except (ValidationError, RecursionError):
-        return None
 
 
 def error_json(status: int, message: str) -> bytes:

@@ -28,7 +28,6 @@ from typing import Any
 
 import orjson
 
-MESSAGES_OPEN = b'"messages":['
 STEP = 4096
 ANCHOR = 64
 MAX_CANDIDATES = 16  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
@@ -41,14 +40,14 @@ ENTRY_OVERHEAD = 1024
 @dataclass(slots=True, eq=False)
 class KnownRequest:
     prefix: bytes  # the body up to the end of its last message
-    before: dict[str, Any]  # the members sent before "messages", as parsed
+    before: dict[str, Any]  # the members sent before the messages, as parsed
     raw_messages: tuple[Any, ...]
-    messages: tuple[Any, ...]  # each raw message as validated
+    state: Any  # what the protocol keeps of reading these messages (for chat: each one validated)
     anchor: tuple[int, bytes]
 
     @property
     def footprint(self) -> int:
-        return 3 * len(self.prefix) + 16 * len(self.messages) + ENTRY_OVERHEAD
+        return 3 * len(self.prefix) + 32 * len(self.raw_messages) + ENTRY_OVERHEAD
 
 
 @dataclass(slots=True)
@@ -65,18 +64,21 @@ def anchor_of(body: bytes, end: int) -> tuple[int, bytes]:
     return at, body[at - ANCHOR : at]
 
 
-def messages_end(body: bytes, before: dict[str, Any], encodings: list[bytes]) -> int | None:
+def messages_end(body: bytes, opening: bytes, before: dict[str, Any], encodings: list[bytes]) -> int | None:
     """Where the messages array of an exact body closes (its `]`), from the encodings of what precedes it."""
-    start = len(orjson.dumps(before)) - 1 + (1 if before else 0) + len(MESSAGES_OPEN)
+    start = len(orjson.dumps(before)) - 1 + (1 if before else 0) + len(opening)
     end = start + sum(map(len, encodings)) + max(len(encodings) - 1, 0)
-    if body[start - len(MESSAGES_OPEN) : start] != MESSAGES_OPEN or body[end : end + 1] != b"]":
+    if body[start - len(opening) : start] != opening or body[end : end + 1] != b"]":
         return None
     return end
 
 
 class KnownRequests:
-    def __init__(self, budget_bytes: int, min_prefix: int = MIN_PREFIX) -> None:
+    def __init__(self, budget_bytes: int, min_prefix: int = MIN_PREFIX, member: str = "messages") -> None:
+        """`member`: the request's array of messages (`input` for OpenAI Responses)."""
         self.budget_bytes = budget_bytes
+        self.member = member
+        self.opening = orjson.dumps(member) + b":["
         self.min_prefix = max(min_prefix, 2 * ANCHOR)
         self.used_bytes = 0
         self.hits = 0
@@ -103,7 +105,7 @@ class KnownRequests:
             end = len(known.prefix)
             if body[end : end + 1] not in (b",", b"]") or not body.startswith(known.prefix):
                 continue
-            extension = _read_rest(body, known)
+            extension = _read_rest(body, known, self.member)
             if extension is None:
                 return None  # the bytes after a proven prefix are what they are: the strict parse decides
             self.hits += 1
@@ -112,21 +114,20 @@ class KnownRequests:
         return None
 
     def remember(
-        self, body: bytes, obj: dict[str, Any], messages: list[Any], encodings: list[bytes | None],
-        extended: Extension | None,
-    ) -> None:  # fmt: skip
-        """Keep an exact body read as `obj` with its validated `messages`; `encodings` are those of the messages
-        after the `extended` known request's (all of them when there was none)."""
+        self, body: bytes, obj: dict[str, Any], state: Any, encodings: list[bytes | None], extended: Extension | None
+    ) -> None:
+        """Keep an exact body read as `obj`, with the protocol's `state` of reading its messages; `encodings` are
+        those of the messages after the `extended` known request's (all of them when there was none)."""
         if any(encoded is None for encoded in encodings):
             return
-        raw_messages = obj["messages"]
+        raw_messages = obj[self.member]
         if extended is None:
             before: dict[str, Any] = {}
             for name, value in obj.items():
-                if name == "messages":
+                if name == self.member:
                     break
                 before[name] = value
-            end = messages_end(body, before, encodings)  # type: ignore[arg-type]
+            end = messages_end(body, self.opening, before, encodings)  # type: ignore[arg-type]
             if end is None:
                 return
         elif not encodings:
@@ -136,7 +137,7 @@ class KnownRequests:
             end = len(extended.known.prefix) + sum(map(len, encodings)) + len(encodings)  # type: ignore[arg-type]
         if end < self.min_prefix or body[end : end + 1] != b"]":
             return
-        known = KnownRequest(body[:end], before, tuple(raw_messages), tuple(messages), anchor_of(body, end))
+        known = KnownRequest(body[:end], before, tuple(raw_messages), state, anchor_of(body, end))
         if known.footprint > self.budget_bytes:
             return
         self._entries[id(known)] = known
@@ -165,24 +166,24 @@ class KnownRequests:
             del self._index[known.anchor]
 
 
-def _read_rest(body: bytes, known: KnownRequest) -> Extension | None:
+def _read_rest(body: bytes, known: KnownRequest, member: str) -> Extension | None:
     end = len(known.prefix)
     comma = body[end] == 0x2C
-    text = b"{" + MESSAGES_OPEN + (body[end + 1 :] if comma else body[end:])  # the next message, or the `]`
+    text = b"{" + orjson.dumps(member) + b":[" + (body[end + 1 :] if comma else body[end:])  # a message, or `]`
     try:
         tail = orjson.loads(text)
         if type(tail) is not dict or orjson.dumps(tail) != text:
             return None
     except Exception:  # whatever orjson refuses, the strict parse of the whole body decides
         return None
-    appended = tail["messages"]
+    appended = tail[member]
     if comma and not appended:
         return None  # `},]`: the comma promised a message (the strict parse refuses the trailing comma)
     obj = dict(known.before)
-    obj["messages"] = [*known.raw_messages, *appended]
+    obj[member] = [*known.raw_messages, *appended]
     for name, value in tail.items():
         if name in obj:
-            if name == "messages":
+            if name == member:
                 continue
             return None  # a member sent twice: the strict parse refuses it
         obj[name] = value

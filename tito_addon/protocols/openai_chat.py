@@ -52,7 +52,7 @@ def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         obj, exact = read_json_object(body)
         prior: tuple[ChatMessage, ...] = ()
     else:
-        obj, exact, prior = extension.obj, True, extension.known.messages
+        obj, exact, prior = extension.obj, True, extension.known.state
     raw_messages = obj.get("messages")
     if type(raw_messages) is not list or not raw_messages:
         return validated(ChatRequest, obj, "chat request"), obj
@@ -67,7 +67,7 @@ def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         if known is None:
             KNOWN_MESSAGES.remember(encoded, raw, message)
     if exact:
-        KNOWN_REQUESTS.remember(body, obj, request.messages, encodings, extension)
+        KNOWN_REQUESTS.remember(body, obj, tuple(request.messages), encodings, extension)
     return request, obj
 
 

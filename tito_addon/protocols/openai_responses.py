@@ -26,11 +26,22 @@ from __future__ import annotations
 import base64
 import json
 import re
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tito_addon.canonical_chat import ChatRequest
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, TranslatedApi, backend_extensions
-from tito_addon.protocols.json_body import parse_json_object, validated
+import orjson
+
+from tito_addon.canonical_chat import ChatMessage, ChatRequest
+from tito_addon.protocols.agent_api import (
+    AgentRequest,
+    ReplyContext,
+    TranslatedApi,
+    backend_extensions,
+    with_known_chat,
+)
+from tito_addon.protocols.json_body import read_json_object, validated
+from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
+from tito_addon.protocols.known_requests import Extension, KnownRequests
 from tito_addon.protocols.openai_responses_models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -47,6 +58,8 @@ RESPONSES_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 NAMESPACE_JOIN = "__"
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error"}
+# Requests read before, each with its items' translation (`ItemsTranslation`).
+KNOWN_RESPONSES_REQUESTS = KnownRequests(DEFAULT_BUDGET_BYTES, member="input")
 
 
 def reply_session(reply_id: str) -> str | None:
@@ -142,6 +155,26 @@ class Translation:
             target["reasoning_content"] = (target.get("reasoning_content") or "") + text
 
 
+@dataclass(frozen=True, slots=True)
+class ItemsTranslation:
+    """What a request's input items became, kept with its bytes (see `known_requests`) so that a request extending
+    it translates only its own items: the canonical messages (never changed once their run of items ended), the item
+    each came from, what was left out, whether the last assistant message was still open to the next item, and the
+    messages validated."""
+
+    messages: tuple[dict[str, Any], ...]
+    item_of: tuple[int, ...]
+    dropped: tuple[str, ...]
+    open_run: bool
+    chat: tuple[ChatMessage, ...] = ()
+    count: int = 0  # the input items translated
+
+
+def closes_run(item: Any) -> bool:
+    """Whether an item ends the run of assistant-side items before it (see `Translation`)."""
+    return isinstance(item, FunctionCallOutputItem) or (isinstance(item, MessageItem) and item.role != "assistant")
+
+
 def chat_tools(
     tools: list[dict[str, Any]] | None, dropped: list[str]
 ) -> tuple[list[dict[str, Any]] | None, dict[str, tuple[str, str]]]:
@@ -208,8 +241,13 @@ class OpenAIResponsesApi(TranslatedApi):
     path = RESPONSES_PATH
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
-        raw = parse_json_object(body)
-        request = validated(ResponsesRequest, raw, "responses request")
+        extension = KNOWN_RESPONSES_REQUESTS.extend(body)
+        if extension is None:
+            raw, exact = read_json_object(body)
+            prior: ItemsTranslation | None = None
+        else:
+            raw, exact, prior = extension.obj, True, extension.known.state
+        request, appended, prior = self._validated(raw, prior)
         dropped: list[str] = []
         tools, namespaces = chat_tools(request.tools, dropped)
         translation = Translation(self.signer, namespaces)
@@ -220,12 +258,19 @@ class OpenAIResponsesApi(TranslatedApi):
         elif request.instructions is not None:
             dropped.append("instructions (the stored turn's prompt already holds its own)")
         offset = len(items)
+        leading = len(translation.messages)
         if isinstance(request.input, str):
             items.append({"type": "message", "role": "user", "content": request.input})
             translation.add(offset, {"role": "user", "content": request.input})
         else:
             items += raw["input"]
-            for position, item in enumerate(request.input):
+            start = 0
+            if prior is not None:
+                for message, position in zip(prior.messages, prior.item_of, strict=True):
+                    translation.add(offset + position, message)
+                translation.dropped += prior.dropped
+                start = len(raw["input"]) - len(appended)
+            for position, item in enumerate(appended, start):
                 where, index = f"input.{position}", offset + position
                 if isinstance(item, MessageItem):
                     translation.message(index, item, where)
@@ -235,6 +280,12 @@ class OpenAIResponsesApi(TranslatedApi):
                     translation.output(index, item, where)
                 else:
                     translation.reasoning(index, item, where)
+        checkpoint = ItemsTranslation(
+            tuple(translation.messages[leading:]),
+            tuple(i - offset for i in translation.item_of[leading:]),
+            tuple(translation.dropped),
+            translation.assistant is not None,
+        )
         dropped = translation.dropped + dropped
         if not translation.messages:
             raise BadRequest("the request has no item the model can read")
@@ -255,7 +306,11 @@ class OpenAIResponsesApi(TranslatedApi):
         if form is not None:
             chat_body["response_format"] = form
         chat_body.update(backend_extensions(raw))
-        chat = validated(ChatRequest, chat_body, "responses request", bounded=True)
+        chat = with_known_chat(chat_body, leading, list(prior.chat) if prior else []) or validated(
+            ChatRequest, chat_body, "responses request", bounded=True
+        )
+        if exact and isinstance(request.input, list):
+            self._remember(body, raw, replace(checkpoint, chat=tuple(chat.messages[leading:])), extension)
         effort = request.reasoning.effort if request.reasoning is not None else None
         thinking = None if request.reasoning is None else effort not in ("none", "minimal")
         return AgentRequest(
@@ -279,6 +334,37 @@ class OpenAIResponsesApi(TranslatedApi):
                 "sealed": ENCRYPTED_REASONING in (request.include or []),
             },
         )  # fmt: skip
+
+    @staticmethod
+    def _validated(
+        raw: dict[str, Any], prior: ItemsTranslation | None
+    ) -> tuple[ResponsesRequest, list[Any], ItemsTranslation | None]:
+        """The request validated, the items to translate, and the earlier items' translation to take (None: all of
+        them are translated). Only the items after the known ones are validated, unless they are refused, when the
+        whole request is, for the same words as always; or unless the first of them would join the assistant
+        message the known items left open (then the whole request is translated)."""
+        items = raw.get("input")
+        if prior is not None and isinstance(items, list):
+            known = prior.count
+            try:
+                request = validated(ResponsesRequest, {**raw, "input": items[known:] or items[-1:]}, "")
+            except BadRequest:
+                request = None
+            if request is not None and isinstance(request.input, list):
+                appended = request.input if len(items) > known else []
+                if not prior.open_run or not appended or closes_run(appended[0]):
+                    return request, appended, prior
+        request = validated(ResponsesRequest, raw, "responses request")
+        return request, request.input if isinstance(request.input, list) else [], None
+
+    @staticmethod
+    def _remember(body: bytes, raw: dict[str, Any], state: ItemsTranslation, extension: Extension | None) -> None:
+        start = len(extension.known.raw_messages) if extension is not None else 0
+        try:
+            encodings = [orjson.dumps(item) for item in raw["input"][start:]]
+        except (TypeError, orjson.JSONEncodeError):
+            return
+        KNOWN_RESPONSES_REQUESTS.remember(body, raw, replace(state, count=len(raw["input"])), encodings, extension)
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_reply_id(session_id)

@@ -30,6 +30,7 @@ from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.anthropic_translation import KNOWN_ANTHROPIC_REQUESTS
 from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
+from tito_addon.protocols.openai_responses import KNOWN_RESPONSES_REQUESTS
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.episode_naming import EPISODE
@@ -219,7 +220,7 @@ class TitoAddon:
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
         KNOWN_MESSAGES.resize(settings.message_memo_mb * 1024 * 1024)
-        for memo in (KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS):
+        for memo in (KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS):
             memo.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
         self.settings = settings
