@@ -150,3 +150,27 @@ def test_whatever_is_appended_reads_as_the_whole_request(appended: list[str], ta
         assert with_memo == read(data), data[end - 20 :]
     finally:
         anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = original
+
+
+def with_marker(messages: list[dict]) -> list[dict]:
+    """As Claude Code sends a history: a `cache_control` marker on the newest block only (a plain string becomes
+    one text block to carry it)."""
+    *earlier, last = messages
+    content = last["content"]
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(b) for b in content]
+    blocks[-1]["cache_control"] = {"type": "ephemeral"}
+    return [*earlier, {**last, "content": blocks}]
+
+
+def test_a_marker_that_moves_to_the_newest_block_still_leaves_a_known_prefix(
+    known: KnownRequests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = [json.loads(body)["messages"] for body in session(10)]
+    bodies = [compact({"model": "claude", "max_tokens": 4096, "system": SYSTEM, "messages": with_marker(messages),
+                       "tools": TOOLS, "stream": True}) for messages in clean]  # fmt: skip
+    for body in bodies:
+        assert read(body) == read_whole(body, monkeypatch)
+    # each request changes its predecessor's last message: found up to the message before it (from the third on:
+    # the first request has only the message that changes)
+    assert known.hits == len(bodies) - 2
+    assert all(len(entry.raw_messages) >= 1 for entry in known._entries.values())

@@ -187,7 +187,8 @@ class AnthropicMessagesApi(TranslatedApi):
             encodings = [orjson.dumps(message) for message in raw["messages"][start:]]
         except (TypeError, orjson.JSONEncodeError):
             return
-        KNOWN_ANTHROPIC_REQUESTS.remember(body, raw, tuple(filled), encodings, extension)  # type: ignore[arg-type]
+        state = tuple(filled)
+        KNOWN_ANTHROPIC_REQUESTS.remember(body, raw, state, encodings, extension, lambda n: state[:n])  # type: ignore[arg-type]
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_id("msg_")

@@ -23,6 +23,7 @@ goes to the cold end, so one agent's long session keeps its newest request rathe
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,24 +31,29 @@ import orjson
 
 STEP = 4096
 ANCHOR = 64
-MAX_CANDIDATES = 16  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
+MAX_CANDIDATES = 48  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
 # Below this a whole parse costs microseconds, and many agents' short requests look alike where they are indexed.
 MIN_PREFIX = 8192
+CUTS = 2  # how many of a request's last messages may change on its agent's next turn and still leave a prefix
 # The prefix's bytes, and the parsed strings and validated models it keeps alive when the message memo has let go.
 ENTRY_OVERHEAD = 1024
 
 
 @dataclass(slots=True, eq=False)
 class KnownRequest:
-    prefix: bytes  # the body up to the end of its last message
+    prefix: memoryview  # the body up to the end of its last message (or of one before it)
     before: dict[str, Any]  # the members sent before the messages, as parsed
     raw_messages: tuple[Any, ...]
     state: Any  # what the protocol keeps of reading these messages (for chat: each one validated)
     anchor: tuple[int, bytes]
+    weight: int  # times its bytes in memory: 3 with the parsed and validated messages, 1 for a cut of those
+    # The entries of one body (the whole and its cuts), flagged once a later request extended one of them: those
+    # make room first where an index slot is full.
+    group: list[bool]
 
     @property
     def footprint(self) -> int:
-        return 3 * len(self.prefix) + 32 * len(self.raw_messages) + ENTRY_OVERHEAD
+        return self.weight * len(self.prefix) + 32 * len(self.raw_messages) + ENTRY_OVERHEAD
 
 
 @dataclass(slots=True)
@@ -101,23 +107,35 @@ class KnownRequests:
         return None
 
     def _longest(self, body: bytes, candidates: list[KnownRequest]) -> Extension | None:
-        for known in reversed(candidates):  # newest first: an agent's latest request is its longest
+        """The longest of `candidates` that `body` extends, read as such; None if none is, or if what follows it is
+        not what the fast path may read (the strict parse decides)."""
+        best: KnownRequest | None = None
+        for known in candidates:
             end = len(known.prefix)
-            if body[end : end + 1] not in (b",", b"]") or not body.startswith(known.prefix):
+            if best is not None and end <= len(best.prefix):
                 continue
-            extension = _read_rest(body, known, self.member)
-            if extension is None:
-                return None  # the bytes after a proven prefix are what they are: the strict parse decides
+            if body[end : end + 1] in (b",", b"]") and body.startswith(known.prefix):
+                best = known
+        if best is None:
+            return None
+        extension = _read_rest(body, best, self.member)
+        if extension is not None:
             self.hits += 1
-            self._entries.move_to_end(id(known), last=not extension.appended)
-            return extension
-        return None
+            self._entries.move_to_end(id(best), last=not extension.appended)
+            if extension.appended:
+                best.group[0] = True
+        return extension
 
     def remember(
-        self, body: bytes, obj: dict[str, Any], state: Any, encodings: list[bytes | None], extended: Extension | None
-    ) -> None:
+        self, body: bytes, obj: dict[str, Any], state: Any, encodings: list[bytes | None], extended: Extension | None,
+        cut: Callable[[int], Any] | None = None,
+    ) -> None:  # fmt: skip
         """Keep an exact body read as `obj`, with the protocol's `state` of reading its messages; `encodings` are
-        those of the messages after the `extended` known request's (all of them when there was none)."""
+        those of the messages after the `extended` known request's (all of them when there was none).
+
+        `cut(n)`: the state of reading the first n messages, where the protocol can give it: the body is then also
+        known up to the end of each of the two messages before the last, since an agent may change its last message
+        on the next turn (Claude Code moves its `cache_control` marker to the newest block every request)."""
         if any(encoded is None for encoded in encodings):
             return
         raw_messages = obj[self.member]
@@ -137,14 +155,26 @@ class KnownRequests:
             end = len(extended.known.prefix) + sum(map(len, encodings)) + len(encodings)  # type: ignore[arg-type]
         if end < self.min_prefix or body[end : end + 1] != b"]":
             return
-        known = KnownRequest(body[:end], before, tuple(raw_messages), state, anchor_of(body, end))
+        view = memoryview(body)
+        group = [False]
+        self._add(KnownRequest(view[:end], before, tuple(raw_messages), state, anchor_of(body, end), 3, group))
+        count = len(raw_messages)
+        for encoded in reversed(encodings[-CUTS:] if cut is not None else []):
+            end -= len(encoded) + 1  # type: ignore[arg-type]
+            count -= 1
+            if count < 1 or end < self.min_prefix or body[end : end + 1] != b",":
+                break
+            shorter = tuple(raw_messages[:count])
+            self._add(KnownRequest(view[:end], before, shorter, cut(count), anchor_of(body, end), 1, group))
+
+    def _add(self, known: KnownRequest) -> None:
         if known.footprint > self.budget_bytes:
             return
         self._entries[id(known)] = known
         bucket = self._index.setdefault(known.anchor, [])
         bucket.append(known)
         if len(bucket) > MAX_CANDIDATES:
-            self._forget(bucket[0])
+            self._forget(next((k for k in bucket if k.group[0]), bucket[0]))
         self.used_bytes += known.footprint
         self._shrink()
 

@@ -67,7 +67,8 @@ def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         if known is None:
             KNOWN_MESSAGES.remember(encoded, raw, message)
     if exact:
-        KNOWN_REQUESTS.remember(body, obj, tuple(request.messages), encodings, extension)
+        state = tuple(request.messages)
+        KNOWN_REQUESTS.remember(body, obj, state, encodings, extension, lambda n: state[:n])
     return request, obj
 
 
