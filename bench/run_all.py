@@ -214,6 +214,13 @@ def p1_breakdown(turns: int, repo: Path = REPO) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def p5_run(repo: Path = REPO) -> dict:
+    """bench/agent_apis.py on `repo` (this checkout, or the "before" one), in its own process."""
+    argv = [sys.executable, str(REPO / "bench" / "agent_apis.py"), "--repo", str(repo)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def p4(path: Path) -> dict:
     """The session file's bytes against the trajectory's own size: its final ids + logprobs as compact JSON."""
     session_file = read_session_file(path)
@@ -362,9 +369,9 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
     if "p3" in only:
         results["p3"] = p3()
     if "p5" in only:
-        from agent_apis import p5
-
-        results["p5"] = p5()
+        results["p5"] = p5_run()
+        if before is not None:
+            results["p5_before"] = p5_run(before)
     if "p6" in only:
         from stream_bench import p6
 
