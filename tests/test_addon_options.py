@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from conftest import tokenizer_path
 from mitmproxy import exceptions
@@ -36,6 +38,8 @@ def configured(tctx, addon, **options):
         ({"tito_session_store": "localhost:6379"}, "tito_session_store: must be memory or a Redis URL"),
         ({"tito_session_store": "http://localhost:6379"}, "Redis URL"),
         ({"tito_session_store": "redis://"}, "Redis URL"),
+        ({"tito_gc_threshold": -1}, "tito_gc_threshold"),
+        ({"tito_message_memo_mb": -1}, "tito_message_memo_mb"),
     ],
 )
 def test_invalid_options_raise_options_error(options, needle) -> None:
@@ -53,6 +57,26 @@ async def test_without_a_tokenizer_chat_turns_are_refused_not_forwarded(caplog) 
         flow = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=b"{}"))
         await addon.request(flow)
         assert flow.response is not None and flow.response.status_code == 503
+
+
+def test_the_memos_and_the_collector_follow_their_options(monkeypatch) -> None:
+    from tito_addon.protocols.anthropic_translation import KNOWN_ANTHROPIC_REQUESTS
+    from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
+    from tito_addon.protocols.openai_responses import KNOWN_RESPONSES_REQUESTS
+
+    before = gc.get_threshold()
+    monkeypatch.setattr(gc, "set_threshold", lambda *values: seen.append(values))
+    seen: list[tuple[int, ...]] = []
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon, tito_message_memo_mb=3, tito_gc_threshold=12345)
+        memos = (KNOWN_MESSAGES, KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS)
+        assert {memo.budget_bytes for memo in memos} == {3 * 1024 * 1024}
+        assert seen[-1] == (12345, *before[1:])
+        seen.clear()
+        configured(tctx, addon, tito_message_memo_mb=128, tito_gc_threshold=0)
+        assert seen == [], "0 leaves the collector as it is"
+        assert {memo.budget_bytes for memo in memos} == {128 * 1024 * 1024}
 
 
 def test_append_roles_are_normalised() -> None:

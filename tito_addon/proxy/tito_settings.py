@@ -33,6 +33,7 @@ class TitoSettings(BaseModel):
     record_message_text: bool = True
     prefix_cache_mb: int = Field(default=256, ge=0, le=1024 * 1024)
     message_memo_mb: int = Field(default=128, ge=0, le=1024 * 1024)
+    gc_threshold: int = Field(default=50_000, ge=0, le=10_000_000)
     session_idle_timeout: float = 1800.0
     max_sessions: int = 10000
     signing_key: str = ""  # "": a key kept in the record dir
