@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from agent_reads import agent_read
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from tito_addon.protocols import anthropic_messages
 from tito_addon.protocols.anthropic_messages import AnthropicMessagesApi
 from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.protocols.turn_refs import TurnSigner
-from tito_addon.sessions.message_keys import message_key
-from tito_addon.tito_errors import BadRequest
 
 SIGNER = TurnSigner(b"k" * 32)
 API = AnthropicMessagesApi(SIGNER)
@@ -63,14 +62,7 @@ def session(turns: int) -> list[bytes]:
 
 
 def read(data: bytes) -> tuple | str:
-    try:
-        request = API.parse(data)
-    except BadRequest as exc:
-        return str(exc)
-    return (
-        request.chat.model_dump(), request.chat_body, request.items, request.item_of, request.dropped,
-        request.thinking, request.stream, request.extra, [message_key(m) for m in request.chat.messages],
-    )  # fmt: skip
+    return agent_read(API, data)
 
 
 def read_whole(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple | str:

@@ -47,7 +47,7 @@ from tito_addon.protocols.anthropic_translation import (
     translate_message,
 )
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import read_json_object, validated
+from tito_addon.protocols.json_body import validated
 from tito_addon.protocols.known_requests import Extension
 from tito_addon.protocols.turn_refs import new_id
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
@@ -92,12 +92,8 @@ class AnthropicMessagesApi(TranslatedApi):
     path = MESSAGES_PATH
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
-        extension = KNOWN_ANTHROPIC_REQUESTS.extend(body)
-        if extension is None:
-            raw, exact = read_json_object(body)
-            prior: tuple[MessageTranslation, ...] = ()
-        else:
-            raw, exact, prior = extension.obj, True, extension.known.state
+        raw, exact, extension = KNOWN_ANTHROPIC_REQUESTS.read(body)
+        prior: tuple[MessageTranslation, ...] = extension.known.state if extension is not None else ()
         request, appended = self._validated(raw, len(prior))
         if action == "turn" and request.max_tokens is None:
             raise BadRequest("invalid messages request at max_tokens: Field required")

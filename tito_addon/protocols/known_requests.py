@@ -29,6 +29,8 @@ from typing import Any
 
 import orjson
 
+from tito_addon.protocols.json_body import read_json_object
+
 STEP = 4096
 ANCHOR = 64
 MAX_CANDIDATES = 48  # requests whose bytes agree at one offset (same task, same tools): each costs a failed memcmp
@@ -93,6 +95,15 @@ class KnownRequests:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def read(self, body: bytes) -> tuple[dict[str, Any], bool, Extension | None]:
+        """`body`'s JSON object, whether the body is exactly `orjson.dumps` of it (only such are remembered), and the
+        known request it extends (None: it was parsed whole, by `json_body`'s rules)."""
+        extension = self.extend(body)
+        if extension is not None:
+            return extension.obj, True, extension
+        obj, exact = read_json_object(body)
+        return obj, exact, None
 
     def extend(self, body: bytes) -> Extension | None:
         """`body` read as a known request plus what follows it, or None (then parse it all)."""

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from tito_addon.canonical_chat import ChatMessage, ChatRequest, json_value_problem
 from tito_addon.protocols.agent_api import EVENT_STREAM_HEADERS, AgentRequest, ReplyContext, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import read_json_object, validated
+from tito_addon.protocols.json_body import validated
 from tito_addon.protocols.known_messages import KnownMessages
 from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
@@ -47,12 +47,8 @@ def parse_body(body: bytes) -> ChatRequest:
 
 def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
-    extension = KNOWN_REQUESTS.extend(body)
-    if extension is None:
-        obj, exact = read_json_object(body)
-        prior: tuple[ChatMessage, ...] = ()
-    else:
-        obj, exact, prior = extension.obj, True, extension.known.state
+    obj, exact, extension = KNOWN_REQUESTS.read(body)
+    prior: tuple[ChatMessage, ...] = extension.known.state if extension is not None else ()
     raw_messages = obj.get("messages")
     if type(raw_messages) is not list or not raw_messages:
         return validated(ChatRequest, obj, "chat request"), obj

@@ -39,7 +39,7 @@ from tito_addon.protocols.agent_api import (
     backend_extensions,
     with_known_chat,
 )
-from tito_addon.protocols.json_body import read_json_object, validated
+from tito_addon.protocols.json_body import validated
 from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.known_requests import Extension, KnownRequests
 from tito_addon.protocols.openai_responses_models import (
@@ -241,12 +241,8 @@ class OpenAIResponsesApi(TranslatedApi):
     path = RESPONSES_PATH
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
-        extension = KNOWN_RESPONSES_REQUESTS.extend(body)
-        if extension is None:
-            raw, exact = read_json_object(body)
-            prior: ItemsTranslation | None = None
-        else:
-            raw, exact, prior = extension.obj, True, extension.known.state
+        raw, exact, extension = KNOWN_RESPONSES_REQUESTS.read(body)
+        prior: ItemsTranslation | None = extension.known.state if extension is not None else None
         request, appended, prior = self._validated(raw, prior)
         dropped: list[str] = []
         tools, namespaces = chat_tools(request.tools, dropped)
