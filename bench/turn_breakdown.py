@@ -1,6 +1,7 @@
-"""In-process, at turns 2/50/100/200 of the P1 session: what preparing the next turn costs (no state changes),
-and how much of it is reading the agent's request (UTF-8, JSON, validation, message keys), against the floor of
-only parsing that request with the fastest JSON parser in the venv (orjson).
+"""In-process, at turns 2/50/100/200 of the P1 session: what preparing the next turn costs (its first preparation,
+as the proxy prepares it, median over the turn and the two either side of it; no state changes), and how much of
+it is reading the agent's request (UTF-8, JSON, validation, message keys) right after its previous request was
+read, against the floor of only parsing that request with the fastest JSON parser in the venv (orjson).
 
 Run on any checkout, so that `run_all.py --before REV` measures the old code on the same requests:
 
@@ -38,6 +39,20 @@ def agent_body(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def fresh_memos() -> None:
+    """Forget the requests this process read (as a new process would have), on whichever checkout this runs."""
+    for module_name, name in (("tito_addon.protocols.openai_chat", "KNOWN_MESSAGES"),
+                              ("tito_addon.protocols.openai_chat", "KNOWN_REQUESTS")):  # fmt: skip
+        module = sys.modules.get(module_name)
+        memo = getattr(module, name, None)
+        if memo is None:
+            continue
+        if hasattr(memo, "member"):
+            setattr(module, name, type(memo)(memo.budget_bytes, memo.min_prefix, memo.member))
+        else:
+            setattr(module, name, type(memo)())
+
+
 def median_ms(fn, n: int = 15) -> float:
     times = []
     for _ in range(n):
@@ -61,7 +76,6 @@ def breakdown(turns: int, tokenizer: str) -> dict:
     from tito_addon.sessions.session_tree import SessionStore
     from tito_addon.turns.turn_service import TurnService
 
-    memo_class = type(getattr(openai_chat, "KNOWN_MESSAGES", None))
     bodies = [agent_body({"model": "m", "messages": m}) for m in conversation(turns)]
     engine = TokenEngine(load_tokenizer(tokenizer, trust_remote_code=False), FAMILIES["qwen3"],
                          append_roles=("tool", "user", "system"))  # fmt: skip
@@ -75,9 +89,8 @@ def breakdown(turns: int, tokenizer: str) -> dict:
         """Reading `body` as a proxy does right after the agent's previous request: what that one held is known."""
         times = []
         for _ in range(15):
-            if memo_class is not type(None):
-                openai_chat.KNOWN_MESSAGES = memo_class()
-                read(previous)
+            fresh_memos()  # (each repetition would otherwise find `body` itself, as a retry)
+            read(previous)
             started = time.perf_counter()
             read(body)
             times.append(time.perf_counter() - started)
@@ -89,20 +102,27 @@ def breakdown(turns: int, tokenizer: str) -> dict:
         client = UpstreamClient()
         service = TurnService(engine, SglangBackend(client), SessionStore(), None)
         out: dict = {}
+        prepared: dict[int, list[float]] = {}
         try:
             for index, body in enumerate(bodies):
                 turn = index + 1
-                if turn in CHECKPOINTS:
-                    out[turn] = {
-                        "request_kib": len(body) / 1024,
-                        "prepare_ms": median_ms(
-                            lambda b=body: service.prepare("/v1/chat/completions", headers, b, base)
-                        ),
-                        "read_request_ms": read_after(bodies[index - 1], body),
-                        "orjson_floor_ms": median_ms(lambda b=body: orjson.loads(b)),
-                    }
+                near = [c for c in CHECKPOINTS if abs(c - turn) <= 2]
+                if near:  # a turn's first preparation, as the proxy prepares it (a second one would be a retry)
+                    started = time.perf_counter()
+                    service.prepare("/v1/chat/completions", headers, body, base)
+                    prepared.setdefault(near[0], []).append(time.perf_counter() - started)
                 reply = await service.handle("/v1/chat/completions", headers, body, base)
                 assert reply.status == 200, reply.body[:200]
+            for turn in CHECKPOINTS:
+                if turn > len(bodies):
+                    continue
+                body = bodies[turn - 1]
+                out[turn] = {
+                    "request_kib": len(body) / 1024,
+                    "prepare_ms": statistics.median(prepared[turn]) * 1e3,
+                    "read_request_ms": read_after(bodies[turn - 2], body),
+                    "orjson_floor_ms": median_ms(lambda b=body: orjson.loads(b)),
+                }
         finally:
             await client.close()
             await runner.cleanup()

@@ -66,13 +66,14 @@ def test_the_memos_and_the_collector_follow_their_options(monkeypatch) -> None:
 
     before = gc.get_threshold()
     monkeypatch.setattr(gc, "set_threshold", lambda *values: seen.append(values))
-    seen: list[tuple[int, ...]] = []
+    monkeypatch.setattr(gc, "freeze", lambda: seen.append(("freeze",)))
+    seen: list[tuple] = []
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon, tito_message_memo_mb=3, tito_gc_threshold=12345)
         memos = (KNOWN_MESSAGES, KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS)
         assert {memo.budget_bytes for memo in memos} == {3 * 1024 * 1024}
-        assert seen[-1] == (12345, *before[1:])
+        assert seen[-2:] == [(12345, *before[1:]), ("freeze",)], "the configured process is frozen out of its walks"
         seen.clear()
         configured(tctx, addon, tito_message_memo_mb=128, tito_gc_threshold=0)
         assert seen == [], "0 leaves the collector as it is"

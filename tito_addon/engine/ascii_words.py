@@ -109,7 +109,7 @@ class AsciiWords:
         starts = "".join(sorted({re.escape(token[0]) for token in added}))
         self.added_start = re.compile(f"[{starts}]") if starts else None
         self.table = str.maketrans(_byte_level_table())
-        self.words: dict[str, list[int]] = {}
+        self.words: dict[str, tuple[int, ...]] = {}  # tuples of ints: the garbage collector stops walking them
         self.fallback: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
     def __call__(self, text: str) -> list[int]:
@@ -144,7 +144,7 @@ class AsciiWords:
             if found is None:
                 if len(words) >= WORD_CACHE:
                     words.clear()
-                found = words[word] = [token.id for token in self.model.tokenize(word.translate(self.table))]
+                found = words[word] = tuple([token.id for token in self.model.tokenize(word.translate(self.table))])
             ids += found
 
     def _pieces_with_gaps(self, text: str) -> list[str]:

@@ -8,7 +8,6 @@ exception becomes a 500 JSON reply, because mitmproxy would otherwise forward th
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import re
@@ -34,6 +33,7 @@ from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
 from tito_addon.protocols.openai_responses import KNOWN_RESPONSES_REQUESTS
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
+from tito_addon.proxy.collector_tuning import tune_collector
 from tito_addon.proxy.episode_naming import EPISODE
 from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.proxy.shared_store import SharedStore
@@ -145,7 +145,7 @@ class TitoAddon:
             int,
             50_000,
             "Allocations between two collections of the youngest generation of Python's garbage collector (Python's "
-            "default is 700, which spends ~12 % of a turn walking the sessions and memos; 0: leave it as it is).",
+            "default is 700); what exists once configured is frozen out of its walks (0: leave the collector as is).",
         )
         loader.add_option(
             "tito_session_idle_timeout", int, 1800, "Close a session unused for this many seconds (0: never)."
@@ -229,8 +229,6 @@ class TitoAddon:
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
         KNOWN_MESSAGES.resize(settings.message_memo_mb * 1024 * 1024)
-        if settings.gc_threshold:
-            gc.set_threshold(settings.gc_threshold, *gc.get_threshold()[1:])
         for memo in (KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS):
             memo.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
@@ -255,6 +253,7 @@ class TitoAddon:
             shared=shared,
             after_close=settings.after_close,
         )
+        tune_collector(settings.gc_threshold)
         logger.info(
             "tito: %s backend, tokenizer %s, family %s, recording to %s, sessions in %s",
             settings.backend_kind,
