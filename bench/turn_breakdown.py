@@ -39,20 +39,6 @@ def agent_body(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def fresh_memos() -> None:
-    """Forget the requests this process read (as a new process would have), on whichever checkout this runs."""
-    for module_name, name in (("tito_addon.protocols.openai_chat", "KNOWN_MESSAGES"),
-                              ("tito_addon.protocols.openai_chat", "KNOWN_REQUESTS")):  # fmt: skip
-        module = sys.modules.get(module_name)
-        memo = getattr(module, name, None)
-        if memo is None:
-            continue
-        if hasattr(memo, "member"):
-            setattr(module, name, type(memo)(memo.budget_bytes, memo.min_prefix, memo.member))
-        else:
-            setattr(module, name, type(memo)())
-
-
 def median_ms(fn, n: int = 15) -> float:
     times = []
     for _ in range(n):
@@ -64,6 +50,7 @@ def median_ms(fn, n: int = 15) -> float:
 
 def breakdown(turns: int, tokenizer: str) -> dict:
     import orjson
+    from agent_apis import fresh_memos
     from zero_latency_backend import start as start_backend
 
     from tito_addon.backends.sglang_backend import SglangBackend
