@@ -1,4 +1,4 @@
-"""Chat requests already read, found again by their bytes, so that a turn parses only what its agent appended.
+"""Agent requests already read, found again by their bytes, so that a turn parses only what its agent appended.
 
 An agent's next request is its previous one with messages appended: at turn 200 the first ~340 KiB of a 345 KiB
 body are bytes this process parsed and validated one turn ago. When a body begins with the bytes of a request read
@@ -16,6 +16,9 @@ and refused as it always was.
 Finding the known request costs no parse either: each is indexed by the 64 bytes before the last multiple of 4 KiB
 at or under its end, and a body looks up those offsets from its end down. Requests under 8 KiB are parsed whole:
 that costs microseconds, and many agents' short requests share their bytes where they would be indexed.
+A request is also known up to the end of each of its two messages before the last (an agent may rewrite its last
+message on the next turn: Claude Code moves its `cache_control` marker to the newest block). Each protocol keeps its
+own reading of the known messages with them (`state`: chat's validated messages, Anthropic's translations, ...).
 Entries are bounded by an estimate of their memory, least recently used first; a request that a later one extended
 goes to the cold end, so one agent's long session keeps its newest request rather than all its old ones.
 """
@@ -37,8 +40,7 @@ MAX_CANDIDATES = 48  # requests whose bytes agree at one offset (same task, same
 # Below this a whole parse costs microseconds, and many agents' short requests look alike where they are indexed.
 MIN_PREFIX = 8192
 CUTS = 2  # how many of a request's last messages may change on its agent's next turn and still leave a prefix
-# The prefix's bytes, and the parsed strings and validated models it keeps alive when the message memo has let go.
-ENTRY_OVERHEAD = 1024
+ENTRY_OVERHEAD = 1024  # the entry, its index slot and its tuples' headers
 
 
 @dataclass(slots=True, eq=False)
@@ -48,14 +50,17 @@ class KnownRequest:
     raw_messages: tuple[Any, ...]
     state: Any  # what the protocol keeps of reading these messages (for chat: each one validated)
     anchor: tuple[int, bytes]
-    weight: int  # times its bytes in memory: 3 with the parsed and validated messages, 1 for a cut of those
+    weight: int  # 3: its bytes, and the parsed and validated messages they became; 1: a cut, sharing those
     # The entries of one body (the whole and its cuts), flagged once a later request extended one of them: those
     # make room first where an index slot is full.
     group: list[bool]
 
     @property
     def footprint(self) -> int:
-        return self.weight * len(self.prefix) + 32 * len(self.raw_messages) + ENTRY_OVERHEAD
+        """An estimate of the memory it keeps alive: the whole body its prefix views (each entry counts it, so a body
+        is freed within the budget whichever of its entries goes last), and the messages read from the prefix."""
+        body = len(self.prefix.obj)  # type: ignore[arg-type]
+        return body + (self.weight - 1) * len(self.prefix) + 32 * len(self.raw_messages) + ENTRY_OVERHEAD
 
 
 @dataclass(slots=True)
