@@ -137,8 +137,8 @@ class TitoAddon:
             "tito_message_memo_mb",
             int,
             128,
-            "Memory for recent requests' validated messages, and as much again for their bytes, so a re-sent "
-            "history is neither parsed nor validated again.",
+            "Memory for recent requests' validated messages, and as much again for each agent API's recent request "
+            "bytes (chat, Anthropic Messages, Responses), so a re-sent history is neither parsed nor validated again.",
         )
         loader.add_option(
             "tito_gc_threshold",
