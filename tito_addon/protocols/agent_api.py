@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from tito_addon.canonical_chat import ChatMessage, ChatRequest
+from tito_addon.canonical_chat import ChatMessage, ChatRequest, json_value_problem
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
@@ -34,17 +34,28 @@ def backend_extensions(raw: dict[str, Any]) -> dict[str, Any]:
     return {name: raw[name] for name in BACKEND_EXTENSIONS if name in raw}
 
 
-def with_known_chat(chat_body: dict[str, Any], leading: int, known: list[ChatMessage]) -> ChatRequest | None:
-    """The chat form validated with the messages validated on an earlier turn taken as they were; None when there
-    are none, or it is refused (the whole validation then says why)."""
-    if not known:
+def with_known_chat(chat_body: dict[str, Any], found: list[ChatMessage | None], *, walked: bool) -> ChatRequest | None:
+    """The chat form validated with each message that `found` holds (validated on an earlier turn) taken as it was;
+    None when there is none, or when it is refused (the whole validation then says why, exactly as always).
+    `walked`: the body's JSON bounds were checked already (a translation); else the new messages' are, each at its
+    depth in the request."""
+    if not any(found):
         return None
     messages = chat_body["messages"]
-    mixed = [*messages[:leading], *known, *messages[leading + len(known) :]]
+    if not walked:
+        new = [raw for raw, message in zip(messages, found, strict=True) if message is None]
+        if json_value_problem({**chat_body, "messages": new}) is not None:
+            return None
+    mixed = [raw if message is None else message for raw, message in zip(messages, found, strict=True)]
     try:
         return ChatRequest.model_validate({**chat_body, "messages": mixed}, context={"bounded": True})
     except (ValidationError, RecursionError):
         return None
+
+
+def known_block(messages: list[Any], leading: int, known: list[ChatMessage]) -> list[ChatMessage | None]:
+    """`found` for `with_known_chat` when the known messages follow the first `leading` ones."""
+    return [*([None] * leading), *known, *([None] * (len(messages) - leading - len(known)))]
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from tito_addon.protocols.agent_api import (
     TurnOutcome,
     backend_extensions,
     chunks_from_message,
+    known_block,
     with_known_chat,
 )
 from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest, ToolChoice, ToolParam
@@ -135,7 +136,8 @@ class AnthropicMessagesApi(TranslatedApi):
             chat_body["stop"] = list(request.stop_sequences)
         chat_body.update(backend_extensions(raw))
         known = [message for unit in prior for message in unit.chat]
-        chat = with_known_chat(chat_body, leading, known) or validated(
+        found = known_block(chat_body["messages"], leading, known)
+        chat = with_known_chat(chat_body, found, walked=True) or validated(
             ChatRequest, chat_body, "messages request", bounded=True
         )
         if exact:

@@ -12,10 +12,15 @@ import json
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
-from tito_addon.canonical_chat import ChatMessage, ChatRequest, json_value_problem
-from tito_addon.protocols.agent_api import EVENT_STREAM_HEADERS, AgentRequest, ReplyContext, Route, TurnOutcome
+from tito_addon.canonical_chat import ChatMessage, ChatRequest
+from tito_addon.protocols.agent_api import (
+    EVENT_STREAM_HEADERS,
+    AgentRequest,
+    ReplyContext,
+    Route,
+    TurnOutcome,
+    with_known_chat,
+)
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.json_body import validated
 from tito_addon.protocols.known_messages import KnownMessages
@@ -55,9 +60,7 @@ def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     new = raw_messages[len(prior) :]
     encodings = [KNOWN_MESSAGES.encoding(raw) for raw in new]
     found = [*prior, *(KNOWN_MESSAGES.find(encoded, raw) for encoded, raw in zip(encodings, new, strict=True))]
-    request = _with_known_messages(obj, raw_messages, found) if any(found) else None
-    if request is None:
-        request = validated(ChatRequest, obj, "chat request")
+    request = with_known_chat(obj, found, walked=False) or validated(ChatRequest, obj, "chat request")
     appended = request.messages[len(prior) :]
     for encoded, raw, known, message in zip(encodings, new, found[len(prior) :], appended, strict=True):
         if known is None:
@@ -66,22 +69,6 @@ def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         state = tuple(request.messages)
         KNOWN_REQUESTS.remember(body, obj, state, encodings, extension, lambda n: state[:n])
     return request, obj
-
-
-def _with_known_messages(
-    obj: dict[str, Any], raw_messages: list[Any], found: list[ChatMessage | None]
-) -> ChatRequest | None:
-    """The request validated with the messages seen before taken as they were validated then; None when it is
-    refused (the whole validation then says why, exactly as always)."""
-    # The bounds walk of what is new, each value at its depth in the request.
-    new = [raw for raw, message in zip(raw_messages, found, strict=True) if message is None]
-    if json_value_problem({**obj, "messages": new}) is not None:
-        return None
-    mixed = [raw if message is None else message for raw, message in zip(raw_messages, found, strict=True)]
-    try:
-        return ChatRequest.model_validate({**obj, "messages": mixed}, context={"bounded": True})
-    except (ValidationError, RecursionError):
-        return None
 
 
 def sse_from_completion(completion: dict[str, Any], *, include_usage: bool) -> bytes:

@@ -37,6 +37,7 @@ from tito_addon.protocols.agent_api import (
     ReplyContext,
     TranslatedApi,
     backend_extensions,
+    known_block,
     with_known_chat,
 )
 from tito_addon.protocols.json_body import validated
@@ -302,7 +303,8 @@ class OpenAIResponsesApi(TranslatedApi):
         if form is not None:
             chat_body["response_format"] = form
         chat_body.update(backend_extensions(raw))
-        chat = with_known_chat(chat_body, leading, list(prior.chat) if prior else []) or validated(
+        found = known_block(chat_body["messages"], leading, list(prior.chat) if prior else [])
+        chat = with_known_chat(chat_body, found, walked=True) or validated(
             ChatRequest, chat_body, "responses request", bounded=True
         )
         if exact and isinstance(request.input, list):
