@@ -66,12 +66,5 @@ def text_encoder(tokenizer: Any, fast: tokenizers.Tokenizer | None) -> Callable[
     `ascii_words` where the tokenizer's pipeline allows, the rest through the Rust tokenizer, else the wrapper."""
     if fast is None:
         return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
-
-    def rust(text: str) -> list[int]:
-        return fast.encode(text, add_special_tokens=False).ids
-
-    words = ascii_words(fast)
-    if words is None:
-        return rust
-    words.fallback = rust
-    return words
+    # (its fallback for text that is not ASCII is the Rust tokenizer)
+    return ascii_words(fast) or (lambda text: fast.encode(text, add_special_tokens=False).ids)
