@@ -228,8 +228,7 @@ class TitoAddon:
         self.store.idle_timeout = settings.session_idle_timeout
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
-        KNOWN_MESSAGES.resize(settings.message_memo_mb * 1024 * 1024)
-        for memo in (KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS):
+        for memo in (KNOWN_MESSAGES, KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS):
             memo.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
         self.settings = settings
