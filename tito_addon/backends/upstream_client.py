@@ -1,11 +1,12 @@
-"""HTTP calls to the backend (aiohttp: an order of magnitude faster than httpx under concurrency).
+"""HTTP calls to the backend, on this package's own keep-alive connections (`backend_connections`).
 
 Transport failures become explicit errors: refused or reset connections answer 502, a backend that
-stalls past the timeout answers 504. The session object is created lazily inside the running event loop.
+stalls past the timeout answers 504.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
 import orjson
 
+from tito_addon.backends.backend_connections import ConnectFailed, ConnectionPool, HttpError
 from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough, UpstreamUnavailable
 
 logger = logging.getLogger(__name__)
@@ -39,40 +40,32 @@ class UpstreamResponse:
 class UpstreamClient:
     def __init__(self, timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-            # trust_env stays off: the proxy's own environment must not reroute backend calls.
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
-        return self._session
+        # The proxy's own environment (HTTP_PROXY and the like) never reroutes a backend call.
+        self._pool = ConnectionPool()
 
     async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
-        payload = dumps(body)
-        return await self._request("POST", url, {**headers, "content-type": "application/json"}, payload)
+        return await self._request("POST", url, _json_headers(headers), dumps(body))
 
     async def post_bytes(self, url: str, payload: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """A JSON body the caller already encoded (e.g. with a prompt's ids spliced in as ready text)."""
-        return await self._request("POST", url, {**headers, "content-type": "application/json"}, payload)
+        return await self._request("POST", url, _json_headers(headers), payload)
 
     async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
-        return await self._request("GET", url, dict(headers), None)
+        return await self._request("GET", url, headers, None)
 
-    async def _request(self, method: str, url: str, headers: dict[str, str], payload: bytes | None) -> UpstreamResponse:
-        headers = _sendable(headers)
-        shown = _without_credentials(url)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+    async def _request(
+        self, method: str, url: str, headers: Mapping[str, str], payload: bytes | None
+    ) -> UpstreamResponse:
         try:
-            async with self._client().request(method, url, data=payload, headers=headers, timeout=timeout) as response:
-                data = await response.read()
-                return UpstreamResponse(response.status, response.headers.get("content-type"), data)
+            async with asyncio.timeout(self.timeout_s):
+                async with await self._pool.send(method, url, headers, payload) as exchange:
+                    data = await exchange.read()
+                    return UpstreamResponse(exchange.status, exchange.headers.get("content-type"), data)
         except TimeoutError as exc:
+            shown = _without_credentials(url)
             raise UpstreamTimeout(f"backend did not answer within {self.timeout_s:g} s ({shown})") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamUnavailable(f"backend unreachable at {shown}: {exc.strerror or exc}") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(f"backend connection failed ({shown}): {type(exc).__name__}") from exc
+        except HttpError as exc:
+            raise _unavailable(exc, url) from exc
 
     async def sse_events(
         self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]
@@ -81,18 +74,18 @@ class UpstreamClient:
 
         A non-200 answer raises UpstreamPassthrough before anything is yielded. Closing the generator closes
         the upstream connection, which is how a disconnected agent cancels its generation."""
-        shown = _without_credentials(url)
-        payload = dumps(body)
-        send = {**_sendable(headers), "content-type": "application/json", "accept": "text/event-stream"}
-        # No total limit on a stream: the limit is on silence between two reads.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s)
+        send = _json_headers(headers, accept="text/event-stream")
         try:
-            async with self._client().post(url, data=payload, headers=send, timeout=timeout) as response:
-                if response.status != 200:
-                    data = await response.read()
-                    raise UpstreamPassthrough(response.status, data, response.headers.get("content-type"))
+            # No total limit on a stream: the limit is on silence (until the head, then between two reads).
+            async with asyncio.timeout(self.timeout_s):
+                exchange = await self._pool.send("POST", url, send, dumps(body))
+            async with exchange:
+                if exchange.status != 200:
+                    async with asyncio.timeout(self.timeout_s):
+                        data = await exchange.read()
+                    raise UpstreamPassthrough(exchange.status, data, exchange.headers.get("content-type"))
                 buffer = b""
-                async for piece in response.content.iter_any():
+                async for piece in exchange.pieces(self.timeout_s):
                     buffer += piece
                     *lines, buffer = buffer.split(b"\n")
                     for line in lines:
@@ -105,25 +98,26 @@ class UpstreamClient:
                 if event is not None and event is not _DONE:
                     yield event
         except TimeoutError as exc:
+            shown = _without_credentials(url)
             raise UpstreamTimeout(f"backend stream went silent for {self.timeout_s:g} s ({shown})") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamUnavailable(f"backend unreachable at {shown}: {exc.strerror or exc}") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(f"backend stream failed ({shown}): {type(exc).__name__}") from exc
+        except HttpError as exc:
+            raise _unavailable(exc, url, "stream") from exc
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        self._pool.close()
 
 
-# Framing headers belong to the agent's request, not to ours: a stale content-length desynchronises the
-# backend's keep-alive connection.
-_FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
+def _json_headers(headers: Mapping[str, str], **ours: str) -> dict[str, str]:
+    """Our body is JSON whatever the agent's was: our values replace the agent's, however it spelled the names."""
+    ours["content-type"] = "application/json"
+    return {**{k: v for k, v in headers.items() if k.lower() not in ours}, **ours}
 
 
-def _sendable(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _FRAMING}
+def _unavailable(error: HttpError, url: str, what: str = "connection") -> UpstreamUnavailable:
+    shown = _without_credentials(url)
+    if isinstance(error, ConnectFailed):
+        return UpstreamUnavailable(f"backend unreachable at {shown}: {error.reason}")
+    return UpstreamUnavailable(f"backend {what} failed ({shown}): {error}")
 
 
 def dumps(value: Any) -> bytes:
