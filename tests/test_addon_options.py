@@ -169,6 +169,26 @@ async def test_non_chat_flows_are_left_alone_and_session_prefixes_stripped() -> 
         assert done.response is before
 
 
+async def test_flows_that_mitmproxys_server_replay_answers_are_left_to_it(tmp_path) -> None:
+    from mitmproxy import io
+    from mitmproxy.addons.serverplayback import ServerPlayback
+
+    addon, playback = TitoAddon(), ServerPlayback()
+    recorded = tmp_path / "flows"
+    with recorded.open("wb") as file:
+        io.FlowWriter(file).add(tflow.tflow(resp=True))
+    with taddons.context(addon, playback) as tctx:
+        configured(tctx, addon)
+        tctx.configure(playback, server_replay=[str(recorded)])
+        left = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=b"{}"), live=True)
+        await addon.request(left)
+        assert left.response is None, "server replay answers it, not the addon"
+        tctx.configure(playback, server_replay=[])
+        served = tflow.tflow(req=tutils.treq(method=b"POST", path=b"/v1/chat/completions", content=b"{}"), live=True)
+        await addon.request(served)
+        assert served.response is not None and served.response.status_code == 400
+
+
 async def test_an_unexpected_exception_is_answered_never_forwarded(monkeypatch) -> None:
     addon = TitoAddon()
     with taddons.context(addon) as tctx:

@@ -75,6 +75,7 @@ class TitoAddon:
         self._regenerated: dict[str, set[int]] = {}
         self.shared_store: SharedStore | None = None
         self.writer_id = default_writer_id()
+        self.server_replay = False
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -172,13 +173,12 @@ class TitoAddon:
             "name starts a new tree; turn ids continue, nothing extends the closed turns).",
         )
         loader.add_option(
-            "tito_max_sessions",
-            int,
-            10000,
-            "Live sessions kept; the least recently used closes first (0: no limit).",
+            "tito_max_sessions", int, 10000, "Live sessions kept; the least recently used closes first (0: no limit)."
         )
 
     def configure(self, updated: set[str]) -> None:
+        if "server_replay" in updated:  # read here, not per request: each option read deep-copies its value
+            self.server_replay = bool(getattr(ctx.options, "server_replay", None))
         if not any(name.startswith("tito_") for name in updated):
             return
         opts = ctx.options
@@ -361,7 +361,7 @@ class TitoAddon:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.error is not None or not flow.live:
             return
-        if getattr(ctx.options, "server_replay", None):
+        if self.server_replay:
             return  # mitmproxy's own replay answers this flow
         path = flow.request.path
         base_url = self.backend_base_url(flow) if self.settings is not None else None
@@ -457,14 +457,15 @@ class TitoAddon:
         turns = self._turns.setdefault(flow.client_conn.id, set())
         turns.add(task)
         try:
-            await asyncio.wait({task})
+            return await task  # this hook cancelled (shutdown) cancels the task it awaits
+        except asyncio.CancelledError:
+            if (hook := asyncio.current_task()) is not None and hook.cancelling():
+                raise
+            return None  # `client_disconnected` cancelled the turn
         finally:
             turns.discard(task)
             if not turns:
                 self._turns.pop(flow.client_conn.id, None)
-            if not task.done():
-                task.cancel()  # this hook itself was cancelled (shutdown)
-        return None if task.cancelled() else task.result()
 
     def client_disconnected(self, client: Any) -> None:
         for task in self._turns.pop(client.id, set()):
