@@ -270,3 +270,15 @@ def test_no_session_id_names_another_sessions_digest_file(tmp_path: Path) -> Non
     own, other = read_session(tmp_path, "team/run-1"), read_session(tmp_path, alias)
     assert own is not None and other is not None
     assert {t.session_id for t in own.turns} == {"team/run-1"} and {t.session_id for t in other.turns} == {alias}
+
+
+def test_the_record_dir_is_made_when_missing_even_after_it_was_removed(tmp_path: Path) -> None:
+    import shutil
+
+    record_dir = tmp_path / "deep" / "rec"
+    recorder = TrajectoryRecorder(record_dir)
+    recorder.write_turn(turn("s", 0))
+    shutil.rmtree(tmp_path / "deep")  # e.g. an operator clearing recordings under a running proxy
+    recorder.write_turn(turn("s", 1))
+    lines = (record_dir / session_file_name("s")).read_text().splitlines()
+    assert [json.loads(line)["turn_id"] for line in lines] == [1]

@@ -31,6 +31,7 @@ WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 WRITER_SEPARATOR = "+"
 SUFFIX = ".jsonl"
 DIGESTED = "sid-"
+_APPEND_FLAGS = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def session_file_name(session_id: str) -> str:
@@ -88,9 +89,12 @@ class TrajectoryRecorder:
         return path
 
     def _append(self, session_id: str, line: str) -> None:
-        self.ensure_dir()
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path_for(session_id), flags, 0o644)
+        path = self.path_for(session_id)
+        try:
+            fd = os.open(path, _APPEND_FLAGS, 0o644)
+        except FileNotFoundError:  # no record dir yet (or it was removed): made here, not checked on every line
+            self.ensure_dir()
+            fd = os.open(path, _APPEND_FLAGS, 0o644)
         try:
             data = (line + "\n").encode("utf-8")
             size = os.fstat(fd).st_size
