@@ -239,17 +239,45 @@ def p4(path: Path) -> dict:
     }
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (Linux /proc), or None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def measured_load(urls: list[str], pids: list[int], sessions: int, turns: int) -> dict:
+    """`run_load`, plus the proxies' own CPU per turn: on a machine whose cores the agents and the backend share,
+    turns/s also moves with what they got, CPU per turn only with what the proxy did."""
+    from concurrency import run_load
+
+    before = [process_cpu_s(pid) for pid in pids]
+    run = run_load(urls, sessions, turns)
+    after = [process_cpu_s(pid) for pid in pids]
+    used = [a - b for a, b in zip(after, before, strict=True) if a is not None and b is not None]
+    if len(used) == len(pids):
+        run["proxy_cpu_ms_per_turn"] = sum(used) / run["turns"] * 1e3
+    return run
+
+
 def p2(
     sessions: int = 256,
     turns: int = 10,
     latency_s: float = 0.1,
     processes: tuple[int, ...] = (1, 2),
     before: Path | None = None,
+    rounds: int = 3,
 ) -> dict:
-    from concurrency import BackendProcess, run_load
+    """Each configuration runs `rounds` times, interleaved (passthrough, addon, addon before; then again), and is
+    reported by its median run: a single run on this shared machine moves by ±20 %, and interleaving keeps a slow
+    minute from landing on one configuration only."""
+    from concurrency import BackendProcess
 
     backend = BackendProcess(latency_s)
-    result: dict = {"sessions": sessions, "turns_per_session": turns, "backend_latency_ms": latency_s * 1e3}
+    result: dict = {"sessions": sessions, "turns_per_session": turns, "backend_latency_ms": latency_s * 1e3,
+                    "rounds": rounds}  # fmt: skip
 
     def addon_run(n: int, repo: Path | None) -> dict:
         record_dir = Path(tempfile.mkdtemp(prefix="tito-bench-p2-"))
@@ -259,7 +287,7 @@ def p2(
             for _ in range(n)
         ]  # fmt: skip
         try:
-            run = run_load([a.url for a in addons], sessions, turns)
+            run = measured_load([a.url for a in addons], [a.proc.pid for a in addons if a.proc], sessions, turns)
         finally:
             for proxy in addons:
                 proxy.stop()
@@ -267,30 +295,62 @@ def p2(
         run["sessions_on_disk"] = len(list(record_dir.glob("*.jsonl")))
         return run
 
+    def plain_run(n: int) -> dict:
+        plain = [PlainMitmdump(backend.url) for _ in range(n)]
+        try:
+            return measured_load([p.url for p in plain], [p.proc.pid for p in plain], sessions, turns)
+        finally:
+            for proxy in plain:
+                proxy.stop()
+
     try:
+        from concurrency import run_load
+
         result["direct"] = run_load([backend.url], sessions, turns)
         for n in processes:
-            plain = [PlainMitmdump(backend.url) for _ in range(n)]
-            try:
-                result[f"passthrough_x{n}"] = run_load([p.url for p in plain], sessions, turns)
-            finally:
-                for proxy in plain:
-                    proxy.stop()
-            result[f"addon_x{n}"] = addon_run(n, None)
-            addon, plain_run = result[f"addon_x{n}"], result[f"passthrough_x{n}"]
-            result[f"ratio_x{n}"] = {
-                "throughput_addon_over_passthrough": addon["turns_per_s"] / plain_run["turns_per_s"],
-                "p99_added_ms": addon["p99_ms"] - plain_run["p99_ms"],
-                "p50_added_ms": addon["p50_ms"] - plain_run["p50_ms"],
+            runs: dict[str, list[dict]] = {"passthrough": [], "addon": [], "addon_before": []}
+            for _ in range(rounds):
+                runs["passthrough"].append(plain_run(n))
+                runs["addon"].append(addon_run(n, None))
+                if before is not None:
+                    runs["addon_before"].append(addon_run(n, before))
+            for name, done in runs.items():
+                if done:
+                    result[f"{name}_x{n}"] = median_run(done)
+            plain_run_, addon = result[f"passthrough_x{n}"], result[f"addon_x{n}"]
+            ratio = result[f"ratio_x{n}"] = {
+                "throughput_addon_over_passthrough": addon["turns_per_s"] / plain_run_["turns_per_s"],
+                "p99_added_ms": addon["p99_ms"] - plain_run_["p99_ms"],
+                "p50_added_ms": addon["p50_ms"] - plain_run_["p50_ms"],
             }
-            if before is not None:
-                result[f"addon_before_x{n}"] = old = addon_run(n, before)
-                result[f"ratio_x{n}"]["throughput_before_over_passthrough"] = (
-                    old["turns_per_s"] / plain_run["turns_per_s"]
+            if "proxy_cpu_ms_per_turn" in addon and "proxy_cpu_ms_per_turn" in plain_run_:
+                ratio["cpu_passthrough_over_addon"] = (
+                    plain_run_["proxy_cpu_ms_per_turn"] / addon["proxy_cpu_ms_per_turn"]
                 )
+            if before is not None:
+                old = result[f"addon_before_x{n}"]
+                ratio["throughput_before_over_passthrough"] = old["turns_per_s"] / plain_run_["turns_per_s"]
+                if "proxy_cpu_ms_per_turn" in old and "proxy_cpu_ms_per_turn" in plain_run_:
+                    ratio["cpu_passthrough_over_before"] = (
+                        plain_run_["proxy_cpu_ms_per_turn"] / old["proxy_cpu_ms_per_turn"]
+                    )
     finally:
         backend.close()
     return result
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The median of each measure over `runs`, with every run's turns/s kept beside it."""
+    merged = {key: statistics.median(run[key] for run in runs) for key in runs[0] if key in MEDIAN_KEYS}
+    merged.update({key: value for key, value in runs[0].items() if key not in MEDIAN_KEYS})
+    merged["turns_per_s_runs"] = [run["turns_per_s"] for run in runs]
+    if all("recorded_turns" in run for run in runs):
+        merged["recorded_turns"] = [run["recorded_turns"] for run in runs]
+        merged["sessions_on_disk"] = [run["sessions_on_disk"] for run in runs]
+    return merged
+
+
+MEDIAN_KEYS = {"seconds", "turns_per_s", "p50_ms", "p99_ms", "proxy_cpu_ms_per_turn"}
 
 
 def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) -> dict:
@@ -365,7 +425,7 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
         if before is not None:
             results["p1_breakdown_before"] = p1_breakdown(args.turns, before)
     if "p2" in only:
-        results["p2"] = p2(before=before)
+        results["p2"] = p2(before=before, rounds=args.repeats)
     if "p3" in only:
         results["p3"] = p3()
     if "p5" in only:
