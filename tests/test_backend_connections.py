@@ -134,6 +134,16 @@ async def test_content_length_answers_reuse_one_connection_and_the_request_is_se
     )
 
 
+async def test_a_body_in_pieces_is_sent_as_their_concatenation_with_its_whole_length() -> None:
+    pieces = [b'{"input_ids":[', b"1,2", b"", b",3" * 5000, b"]}"]
+    async with ScriptedServer(send(with_length(b"{}"))) as server:
+        client = UpstreamClient()
+        assert (await client.post_bytes(server.url + "/generate", pieces, {})).body == b"{}"
+        await client.close()
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    assert body == b"".join(pieces) and b"content-length: %d\r\n" % len(body) in head
+
+
 async def test_chunked_answers_split_anywhere_are_read_whole_with_extensions_and_trailers() -> None:
     body = "Zürich 東京 ".encode() * 40
     raw = chunked(body, [1, 7, 100, 3], trailer=b"x-trailer: 1\r\n")

@@ -17,7 +17,7 @@ import asyncio
 import base64
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -394,14 +394,18 @@ class ConnectionPool:
         self._idle: dict[tuple[bool, str, int], dict[_Connection, None]] = {}
         self._tls = tls  # None: the system's trusted roots, made on the first https call
 
-    async def send(self, method: str, url: str, headers: Mapping[str, str], payload: bytes | None) -> Exchange:
-        """Send a request and wait for the answer's head. HttpError (ConnectFailed when no connection opened)."""
+    async def send(
+        self, method: str, url: str, headers: Mapping[str, str], payload: bytes | Sequence[bytes] | None
+    ) -> Exchange:
+        """Send a request and wait for the answer's head. HttpError (ConnectFailed when no connection opened).
+        A payload in pieces is sent as they are, one after the other (no copy joins them)."""
         origin = Origin(url)
-        length = None if payload is None and method == "GET" else len(payload or b"")
-        data = request_head(method, origin, headers, length)
+        pieces = [] if payload is None else [payload] if isinstance(payload, bytes) else [p for p in payload if p]
+        length = None if payload is None and method == "GET" else sum(map(len, pieces))
+        data = [request_head(method, origin, headers, length), *pieces]
         connection = self._take(origin.key) or await self._open(origin)
         try:
-            connection.start(method, [data, payload] if payload else [data])
+            connection.start(method, data)
             status, answer_headers = await connection.head()
         except BaseException:
             connection.reusable = False

@@ -174,10 +174,11 @@ class SglangBackend:
             body["return_prompt_token_ids"] = True
         return body
 
-    def upstream_payload(self, turn: BackendTurn, echo: bool = True) -> bytes:
-        """The request bytes: the prompt's ids go in as ready JSON text instead of being re-encoded."""
+    def upstream_payload(self, turn: BackendTurn, echo: bool = True) -> list[bytes]:
+        """The request body in pieces: the prompt's ids go in as their ready JSON text, sent as they are kept
+        (see `PromptIds.json_pieces`) instead of being re-encoded or joined into one copy of a ~1 MB prompt."""
         head = dumps(self.upstream_body(turn, echo))
-        return b"".join((head[:-1], b',"input_ids":[', turn.prompt.json, b"]}"))  # one copy of a ~1 MB prompt
+        return [head[:-1] + b',"input_ids":[', *turn.prompt.json_pieces, b"]}"]
 
     async def must_echo(self, turn: BackendTurn) -> bool:
         """Whether this turn asks the server to echo its prompt ids (see the module docstring)."""

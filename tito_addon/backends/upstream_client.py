@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -46,15 +46,18 @@ class UpstreamClient:
     async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
         return await self._request("POST", url, _json_headers(headers), dumps(body))
 
-    async def post_bytes(self, url: str, payload: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
-        """A JSON body the caller already encoded (e.g. with a prompt's ids spliced in as ready text)."""
+    async def post_bytes(
+        self, url: str, payload: bytes | Sequence[bytes], headers: Mapping[str, str]
+    ) -> UpstreamResponse:
+        """A JSON body the caller already encoded, whole or in pieces that are sent one after the other (e.g. with
+        a prompt's ids spliced in as ready text)."""
         return await self._request("POST", url, _json_headers(headers), payload)
 
     async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
         return await self._request("GET", url, headers, None)
 
     async def _request(
-        self, method: str, url: str, headers: Mapping[str, str], payload: bytes | None
+        self, method: str, url: str, headers: Mapping[str, str], payload: bytes | Sequence[bytes] | None
     ) -> UpstreamResponse:
         try:
             async with asyncio.timeout(self.timeout_s):
