@@ -29,6 +29,7 @@ import time
 import tracemalloc
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -104,17 +105,69 @@ def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
     backend = Backend()
     requests = conversation(turns)
     record_dir = Path(tempfile.mkdtemp(prefix="tito-bench-"))
-    addon, plain, direct, addon_before = [], [], [], []
-    with Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=record_dir, cwd=record_dir,
-                  extra_args=["--set", "flow_detail=0"]) as proxy:  # fmt: skip
-        for r in range(repeats):
-            addon.append(run_session(proxy.url, requests, f"bench-{r}"))
+    before_dir = Path(tempfile.mkdtemp(prefix="tito-bench-before-"))
+    proxies = {"addon": Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=record_dir, cwd=record_dir,
+                                 extra_args=["--set", "flow_detail=0"]).start()}  # fmt: skip
     if before is not None:
-        before_dir = Path(tempfile.mkdtemp(prefix="tito-bench-before-"))
-        with Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=before_dir, cwd=before_dir, repo=before,
-                      extra_args=["--set", "flow_detail=0"]) as proxy:  # fmt: skip
-            for r in range(repeats):
-                addon_before.append(run_session(proxy.url, requests, f"bench-{r}"))
+        proxies["before"] = Mitmdump(backend.url, tokenizer=TOKENIZER, record_dir=before_dir, cwd=before_dir,
+                                     repo=before, extra_args=["--set", "flow_detail=0"]).start()  # fmt: skip
+    passthrough = PlainMitmdump(backend.url)
+    urls = {**{name: proxy.url for name, proxy in proxies.items()}, "plain": passthrough.url, "direct": backend.url}
+    names = {"addon": "bench", "before": "bench", "plain": "plain", "direct": "direct"}
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in range(repeats)] for name in urls}
+    # What the backend alone takes to read the prompt as ids (what the addon sends it: the ids and no conversation;
+    # "full": the ids and the whole conversation, what the addon sent before), so the proxy's own share of "added"
+    # can be told from the backend's cost of parsing ~1 MB of ids instead of the message text.
+    from tito_addon.backends.parser_inputs import sglang_messages
+
+    direct_ids: dict[int, list[float]] = {}
+    direct_full: dict[int, list[float]] = {}
+    sglang_ids: dict[int, list[float]] = {}
+    sglang_full: dict[int, list[float]] = {}
+    sglang_like = Backend(parse="sglang")
+    sizes: dict[int, tuple[int, int, int]] = {}
+    windows = {i: t for t in CHECKPOINTS if t <= turns for i in range(max(0, t - 3), min(turns, t + 2))}
+
+    def read_as_ids(index: int, recorded: Any, ids: dict, times: int) -> None:
+        turn = windows[index]
+        prompt = ids[recorded.turns[index].turn_id][0]
+        full = {"model": "m", "messages": requests[index], "input_ids": prompt, "logprobs": True,
+                "return_meta_info": True, "stream": False}  # fmt: skip
+        body = {**full, "messages": sglang_messages(requests[index], None)}
+        direct_ids.setdefault(turn, []).extend(post(backend.url, body, "ids") for _ in range(times))
+        direct_full.setdefault(turn, []).extend(post(backend.url, full, "ids") for _ in range(times))
+        if index == turn - 1:  # the same bodies read as a Python sglang server reads them
+            sglang_ids.setdefault(turn, []).extend(post(sglang_like.url, body, "ids") for _ in range(times))
+            sglang_full.setdefault(turn, []).extend(post(sglang_like.url, full, "ids") for _ in range(times))
+            # what the agent sends, and what the addon sends sglang for it, now and before
+            sizes[turn] = (len(agent_body({"model": "m", "messages": requests[index]})), len(agent_body(body)),
+                           len(agent_body(full)))  # fmt: skip
+
+    recorded_ids: dict = {}
+    try:
+        # Turn by turn, each configuration in turn: a slow moment of this shared machine lands on all of them, not
+        # on one configuration's whole session. The backend reading the addon's bodies joins from the second
+        # round, once the first round's record holds them.
+        for r in range(repeats):
+            if r == 1:
+                recorded = read_session_file(record_dir / "bench-0.jsonl")
+                recorded_ids = recorded.full_ids()
+            for index, messages in enumerate(requests):
+                for name, url in urls.items():
+                    samples[name][r].append(post(url, {"model": "m", "messages": messages}, f"{names[name]}-{r}"))
+                if recorded_ids and index in windows:
+                    read_as_ids(index, recorded, recorded_ids, 2)
+    finally:
+        passthrough.stop()
+        for proxy in proxies.values():
+            proxy.stop()
+    recorded = read_session_file(record_dir / "bench-0.jsonl")
+    if not recorded_ids:  # a single round
+        recorded_ids = recorded.full_ids()
+        for index in windows:
+            read_as_ids(index, recorded, recorded_ids, 2)
+    addon, plain, direct = samples["addon"], samples["plain"], samples["direct"]
+    addon_before = samples.get("before", [])
     lean_dir = Path(tempfile.mkdtemp(prefix="tito-bench-lean-"))
     with Mitmdump(
         backend.url,
@@ -125,42 +178,6 @@ def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
         extra_args=["--set", "flow_detail=0"],
     ) as proxy:
         run_session(proxy.url, requests, "bench-0")  # fmt: skip
-    passthrough = PlainMitmdump(backend.url)
-    try:
-        for r in range(repeats):
-            plain.append(run_session(passthrough.url, requests, f"plain-{r}"))
-    finally:
-        passthrough.stop()
-    for r in range(repeats):
-        direct.append(run_session(backend.url, requests, f"direct-{r}"))
-    # What the backend alone takes to read the prompt as ids (what the addon sends it: the ids and no conversation;
-    # "full": the ids and the whole conversation, what the addon sent before), so the proxy's own share of "added"
-    # can be told from the backend's cost of parsing ~1 MB of ids instead of the message text.
-    from tito_addon.backends.parser_inputs import sglang_messages
-
-    recorded = read_session_file(record_dir / "bench-0.jsonl")
-    recorded_ids = recorded.full_ids()
-    direct_ids: dict[int, list[float]] = {}
-    direct_full: dict[int, list[float]] = {}
-    sglang_ids: dict[int, list[float]] = {}
-    sglang_full: dict[int, list[float]] = {}
-    sglang_like = Backend(parse="sglang")
-    sizes: dict[int, tuple[int, int, int]] = {}
-    for turn in (t for t in CHECKPOINTS if t <= turns):
-        for index in range(max(0, turn - 3), min(turns, turn + 2)):
-            prompt = recorded_ids[recorded.turns[index].turn_id][0]
-            full = {"model": "m", "messages": requests[index], "input_ids": prompt, "logprobs": True,
-                    "return_meta_info": True, "stream": False}  # fmt: skip
-            body = {**full, "messages": sglang_messages(requests[index], None)}
-            direct_ids.setdefault(turn, []).extend(post(backend.url, body, "ids") for _ in range(repeats))
-            direct_full.setdefault(turn, []).extend(post(backend.url, full, "ids") for _ in range(repeats))
-            if index == turn - 1:  # the same bodies read as a Python sglang server reads them
-                sglang_ids.setdefault(turn, []).extend(post(sglang_like.url, body, "ids") for _ in range(repeats))
-                sglang_full.setdefault(turn, []).extend(post(sglang_like.url, full, "ids") for _ in range(repeats))
-            if index == turn - 1:  # what the agent sends, and what the addon sends sglang for it, now and before
-                agent = len(agent_body({"model": "m", "messages": requests[index]}))
-                sizes[turn] = (agent, len(agent_body(body)), len(agent_body(full)))
-
     from tito_addon.engine.tokenizer_loading import load_tokenizer
 
     tokenizer = load_tokenizer(TOKENIZER, trust_remote_code=False)
