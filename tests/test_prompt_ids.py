@@ -45,7 +45,7 @@ def test_a_long_session_is_sent_in_few_pieces_that_always_join_to_its_ids() -> N
         assert all(pieces) and not pieces[0].startswith(b",") and all(p.startswith(b",") for p in pieces[1:])
         assert json.loads(b"[" + b"".join(pieces) + b"]") == node.full_ids()
     assert max(counts) <= MAX_PIECES and counts[-1] < len(nodes), "pieces are joined before they grow past the cap"
-    assert max(counts) > 2, "a turn extends its parent's pieces instead of copying them"
+    assert max(counts) >= MAX_PIECES - 1, "a turn extends its parent's pieces instead of copying them"
 
 
 def test_without_a_cache_or_after_eviction_the_text_is_rebuilt_from_the_tree() -> None:
