@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_ORIGINS = 1024
 NO_BODY_STATUSES = frozenset({204, 304})
 
 # Hop-by-hop and framing headers belong to the agent's own request, not to ours: a stale content-length
@@ -49,7 +50,7 @@ class ConnectFailed(HttpError):
 class Origin:
     """Where a URL's requests go: the pool key, the Host header and the request target."""
 
-    __slots__ = ("key", "host", "port", "tls", "host_header", "target", "authorization")
+    __slots__ = ("key", "host", "port", "tls", "host_header", "target", "headers")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -67,19 +68,20 @@ class Origin:
         self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self.key = (self.tls, self.host, self.port)
         # Credentials in the configured URL are the operator's for this backend: they win over the agent's header.
-        self.authorization: str | None = None
+        self.headers: dict[str, str] = {}
         if parts.username is not None or parts.password is not None:
             pair = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
-            self.authorization = "Basic " + base64.b64encode(pair.encode()).decode()
+            self.headers["authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
 
 
-def request_head(method: str, origin: Origin, headers: Mapping[str, str], length: int | None) -> bytes:
-    """The request's head: the agent's headers less those that belong to its own connection (`_NOT_FORWARDED`)."""
+def request_head(
+    method: str, origin: Origin, headers: Mapping[str, str], length: int | None, ours: Mapping[str, str]
+) -> bytes:
+    """The request's head: the agent's headers less those that belong to its own connection (`_NOT_FORWARDED`) and
+    those the caller or the URL sets (`ours`, `origin.headers`, lower-case names), which replace them."""
+    own = {**ours, **origin.headers} if origin.headers else ours
     lines = [f"{method} {origin.target} HTTP/1.1\r\nhost: {origin.host_header}\r\n"]
-    if origin.authorization is not None:
-        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-        lines.append(f"authorization: {origin.authorization}\r\n")
-    for name, value in headers.items():
+    for name, value in (*((n, v) for n, v in headers.items() if n.lower() not in own), *own.items()):
         if name.lower() in _NOT_FORWARDED:
             continue
         if "\n" in name or "\r" in name or "\n" in value or "\r" in value or ":" in name:
@@ -124,10 +126,11 @@ class _Connection(asyncio.Protocol):
         self.pool.forget(self)
         if self._head is None or self._done:
             return
+        if self._framing != _TO_CLOSE or not self._head.done() or exc is not None:
+            self._fail(HttpError("the backend closed the connection before its answer ended"))
+            return
         try:
-            if self._framing != _TO_CLOSE or not self._head.done() or exc is not None:
-                raise HttpError("the backend closed the connection before its answer ended")
-            self._finish()
+            self._finish()  # an answer framed by the connection's end has ended
         except HttpError as error:
             self._fail(error)
 
@@ -392,17 +395,29 @@ class ConnectionPool:
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self._idle: dict[tuple[bool, str, int], dict[_Connection, None]] = {}
+        self._origins: dict[str, Origin] = {}
         self._tls = tls  # None: the system's trusted roots, made on the first https call
 
     async def send(
-        self, method: str, url: str, headers: Mapping[str, str], payload: bytes | Sequence[bytes] | None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        payload: bytes | Sequence[bytes] | None,
+        ours: Mapping[str, str] | None = None,
     ) -> Exchange:
         """Send a request and wait for the answer's head. HttpError (ConnectFailed when no connection opened).
-        A payload in pieces is sent as they are, one after the other (no copy joins them)."""
-        origin = Origin(url)
+        A payload in pieces is sent as they are, one after the other (no copy joins them); `ours` (lower-case
+        names) replace the agent's headers of the same names."""
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = Origin(url)  # a turn's URL is its backend's: parsed once, not per call
+            if len(self._origins) >= MAX_ORIGINS:
+                self._origins.clear()
+            self._origins[url] = origin
         pieces = [] if payload is None else [payload] if isinstance(payload, bytes) else [p for p in payload if p]
         length = None if payload is None and method == "GET" else sum(map(len, pieces))
-        data = [request_head(method, origin, headers, length), *pieces]
+        data = [request_head(method, origin, headers, length, ours or {}), *pieces]
         connection = self._take(origin.key) or await self._open(origin)
         try:
             connection.start(method, data)

@@ -44,24 +44,29 @@ class UpstreamClient:
         self._pool = ConnectionPool()
 
     async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
-        return await self._request("POST", url, _json_headers(headers), dumps(body))
+        return await self._request("POST", url, headers, dumps(body), _JSON)
 
     async def post_bytes(
         self, url: str, payload: bytes | Sequence[bytes], headers: Mapping[str, str]
     ) -> UpstreamResponse:
         """A JSON body the caller already encoded, whole or in pieces that are sent one after the other (e.g. with
         a prompt's ids spliced in as ready text)."""
-        return await self._request("POST", url, _json_headers(headers), payload)
+        return await self._request("POST", url, headers, payload, _JSON)
 
     async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
-        return await self._request("GET", url, headers, None)
+        return await self._request("GET", url, headers, None, {})
 
     async def _request(
-        self, method: str, url: str, headers: Mapping[str, str], payload: bytes | Sequence[bytes] | None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        payload: bytes | Sequence[bytes] | None,
+        ours: Mapping[str, str],
     ) -> UpstreamResponse:
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with await self._pool.send(method, url, headers, payload) as exchange:
+                async with await self._pool.send(method, url, headers, payload, ours) as exchange:
                     data = await exchange.read()
                     return UpstreamResponse(exchange.status, exchange.headers.get("content-type"), data)
         except TimeoutError as exc:
@@ -77,11 +82,10 @@ class UpstreamClient:
 
         A non-200 answer raises UpstreamPassthrough before anything is yielded. Closing the generator closes
         the upstream connection, which is how a disconnected agent cancels its generation."""
-        send = _json_headers(headers, accept="text/event-stream")
         try:
             # No total limit on a stream: the limit is on silence (until the head, then between two reads).
             async with asyncio.timeout(self.timeout_s):
-                exchange = await self._pool.send("POST", url, send, dumps(body))
+                exchange = await self._pool.send("POST", url, headers, dumps(body), _JSON_STREAM)
             async with exchange:
                 if exchange.status != 200:
                     async with asyncio.timeout(self.timeout_s):
@@ -110,10 +114,9 @@ class UpstreamClient:
         self._pool.close()
 
 
-def _json_headers(headers: Mapping[str, str], **ours: str) -> dict[str, str]:
-    """Our body is JSON whatever the agent's was: our values replace the agent's, however it spelled the names."""
-    ours["content-type"] = "application/json"
-    return {**{k: v for k, v in headers.items() if k.lower() not in ours}, **ours}
+# Our body is JSON whatever the agent's was: these replace the agent's headers, however it spelled the names.
+_JSON = {"content-type": "application/json"}
+_JSON_STREAM = {**_JSON, "accept": "text/event-stream"}
 
 
 def _unavailable(error: HttpError, url: str, what: str = "connection") -> UpstreamUnavailable:
