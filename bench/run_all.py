@@ -61,12 +61,13 @@ class Backend:
 
 
 class PlainMitmdump:
-    """mitmdump in reverse mode with no addon: the passthrough baseline."""
+    """mitmdump in reverse mode with no addon: the passthrough baseline (`extra_args`/`env`: e.g. a stub script)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         mitmdump = Path(sys.executable).with_name("mitmdump")
-        argv = [str(mitmdump), "--mode", f"reverse:{target}", "--listen-host", "127.0.0.1", "-p", "0"]
-        self.proc = subprocess.Popen(argv + ["--set", "flow_detail=0"], stdout=subprocess.PIPE, text=True)
+        argv = [str(mitmdump), "--mode", f"reverse:{target}", "--listen-host", "127.0.0.1", "-p", "0", *extra_args]
+        self.proc = subprocess.Popen(argv + ["--set", "flow_detail=0"], stdout=subprocess.PIPE, text=True,
+                                     env=None if env is None else {**os.environ, **env})  # fmt: skip
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             match = LISTEN.search(line)
