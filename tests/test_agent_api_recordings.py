@@ -21,6 +21,7 @@ from test_openai_responses import echo as responses_echo
 from test_openai_responses import outputs
 from test_replay import replay_proxy
 
+from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
@@ -103,6 +104,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def test_each_line_is_exactly_what_its_turn_record_writes(recorded) -> None:
+    """The addon builds a line's fields without a TurnRecord (`turns.turn_record`): they must be what validating and
+    dumping one gives, field for field, omitted defaults included (items, reply ids, tools, thinking)."""
+    record_dir = recorded[0]
+    lines = [json.loads(line) for path in record_dir.glob("*.jsonl") for line in path.read_text("utf-8").splitlines()]
+    turns = [line for line in lines if line.get("schema") == "tito.turn.v1"]
+    assert {line["api"] for line in turns} == {"anthropic_messages", "openai_responses"}
+    assert all(line.get("tools") and line.get("appended_items") and line.get("reply_id") for line in turns[:1])
+    for line in turns:
+        assert TurnRecord.model_validate(line).line_fields() == line
 
 
 def test_show_rebuilds_the_exact_prompts(recorded, tmp_path: Path) -> None:

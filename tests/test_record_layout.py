@@ -121,7 +121,7 @@ def test_a_torn_line_in_one_part_is_skipped_and_counted(tmp_path: Path) -> None:
     writers = record(tmp_path, "s")
     torn = writers["b"].path_for("s")
     with torn.open("ab") as handle:  # a crash mid-write: half a line, no newline
-        handle.write(turn("s", 5).dump_line().encode()[:50])
+        handle.write(turn("s", 5).dump_line()[:50])
     writers["b"].close_session("s", turns=3, reason="idle")  # the next line of that writer stays whole
     session = read_session(tmp_path, "s")
     assert session is not None
@@ -282,3 +282,4 @@ def test_the_record_dir_is_made_when_missing_even_after_it_was_removed(tmp_path:
     recorder.write_turn(turn("s", 1))
     lines = (record_dir / session_file_name("s")).read_text().splitlines()
     assert [json.loads(line)["turn_id"] for line in lines] == [1]
+

@@ -15,6 +15,7 @@ from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump, post
 from test_replay import replay_proxy
 
+from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
@@ -52,6 +53,9 @@ def test_digests_instead_of_text_resume_replay_and_export(tmp_path) -> None:
         record.pop("assistant_message", None)  # the model's own output (the replica quotes the question in it)
         rest = json.dumps(record, ensure_ascii=False)
         assert "appended_messages" not in record and SECRET_TOOL_OUTPUT not in rest and "Count the stock" not in rest
+        whole = json.loads(line)  # built without a TurnRecord: exactly what one would write
+        if whole["schema"] == TURN_SCHEMA:
+            assert TurnRecord.model_validate(whole).line_fields() == whole
     session_file = read_session_file(path)
     assert [t.parent_turn_id for t in session_file.turns] == [None, 0, 1, 2]  # resumed, not a new root
     assert all(t.appended_messages is None and t.appended_keys for t in session_file.turns)

@@ -8,11 +8,11 @@ so a streaming client accumulates exactly what a non-streaming one receives.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage, ChatRequest
+from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
     AgentRequest,
@@ -39,7 +39,7 @@ KNOWN_REQUESTS = KnownRequests(KNOWN_MESSAGES.budget_bytes)
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + dumps_exact(payload, allow_nan=True) + b"\n\n"
 
 
 def is_chat_path(path: str) -> bool:
@@ -171,7 +171,7 @@ class ChatResponder:
             )
         content = outcome.agent_bytes
         if content is None:
-            content = json.dumps(outcome.agent_body, ensure_ascii=False).encode()
+            content = dumps_exact(outcome.agent_body, allow_nan=True)
         return HttpReply(200, {"content-type": "application/json"}, content)
 
     def stream_start(self) -> bytes:

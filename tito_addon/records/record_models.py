@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from tito_addon.exact_json import dumps_exact
+
 TURN_SCHEMA = "tito.turn.v1"
 CLOSE_SCHEMA = "tito.session_close.v1"
 WITHDRAWN_SCHEMA = "tito.turn_withdrawn.v1"
@@ -93,16 +95,24 @@ class TurnRecord(BaseModel):
 
     def line_fields(self) -> dict[str, Any]:
         """What the line holds, as plain JSON values (also the flow metadata of a `-w` capture)."""
-        line = self.model_dump(by_alias=True)
-        for name, default in OMITTED_AT_DEFAULT.items():
-            if line[name] is default:
-                del line[name]
-        return line
+        return without_defaults(self.model_dump(by_alias=True))
 
-    def dump_line(self, fields: dict[str, Any] | None = None) -> str:
-        # allow_nan=False: a NaN or Infinity must never reach a trainer disguised as JSON.
-        line = self.line_fields() if fields is None else fields
-        return json.dumps(line, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    def dump_line(self) -> bytes:
+        return dump_line(self.line_fields())
+
+
+def dump_line(fields: dict[str, Any]) -> bytes:
+    """One record line's JSON, without its newline. ValueError for a NaN or an Infinity: one must never reach a
+    trainer disguised as JSON (orjson alone would write it as `null`)."""
+    return dumps_exact(fields, allow_nan=False)
+
+
+def without_defaults(line: dict[str, Any]) -> dict[str, Any]:
+    """`line` (a turn's fields by alias) without the optional fields that hold their default."""
+    for name, default in OMITTED_AT_DEFAULT.items():
+        if line[name] is default:
+            del line[name]
+    return line
 
 
 # Optional fields left off a line while they hold their default (reading restores it): ~100 bytes a turn.

@@ -21,7 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_models import AnnotationRecord, SessionCloseRecord, TurnRecord, TurnWithdrawnRecord
+from tito_addon.records.record_models import (
+    AnnotationRecord,
+    SessionCloseRecord,
+    TurnRecord,
+    TurnWithdrawnRecord,
+    dump_line,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ class TrajectoryRecorder:
         self._checked[session_id] = path
         return path
 
-    def _append(self, session_id: str, line: str) -> None:
+    def _append(self, session_id: str, line: bytes) -> None:
         path = self.path_for(session_id)
         try:
             fd = os.open(path, _APPEND_FLAGS, 0o644)
@@ -96,7 +102,7 @@ class TrajectoryRecorder:
             self.ensure_dir()
             fd = os.open(path, _APPEND_FLAGS, 0o644)
         try:
-            data = (line + "\n").encode("utf-8")
+            data = line + b"\n"
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data  # a line torn by a crash stays its own (skipped) line
@@ -106,16 +112,20 @@ class TrajectoryRecorder:
         finally:
             os.close(fd)
 
-    def write_turn(self, record: TurnRecord, fields: dict[str, Any] | None = None) -> None:
-        self._append(record.session_id, record.dump_line(fields))
+    def write_turn(self, record: TurnRecord) -> None:
+        self._append(record.session_id, record.dump_line())
+
+    def write_turn_line(self, session_id: str, fields: dict[str, Any]) -> None:
+        """A turn's line from its fields (`TurnRecord.line_fields`, or built as those are by `turns.turn_record`)."""
+        self._append(session_id, dump_line(fields))
 
     def withdraw_turn(self, session_id: str, turn_id: int, reason: str) -> None:
         record = TurnWithdrawnRecord(session_id=session_id, turn_id=turn_id, reason=reason, ts=time.time())
-        self._append(session_id, record.model_dump_json(by_alias=True))
+        self._append(session_id, record.model_dump_json(by_alias=True).encode())
 
     def write_annotation(self, record: AnnotationRecord) -> None:
-        self._append(record.session_id, record.model_dump_json(by_alias=True, exclude_none=True))
+        self._append(record.session_id, record.model_dump_json(by_alias=True, exclude_none=True).encode())
 
     def close_session(self, session_id: str, turns: int, reason: str) -> None:
         record = SessionCloseRecord(session_id=session_id, turns=turns, reason=reason, ts=time.time())
-        self._append(session_id, record.model_dump_json(by_alias=True))
+        self._append(session_id, record.model_dump_json(by_alias=True).encode())

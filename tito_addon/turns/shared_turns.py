@@ -87,14 +87,14 @@ class SharedTurns:
         self, prepared: PreparedTurn, done: CompletedTurn, result: BackendResult, claim: Claim
     ) -> SharedNode:
         if self.recorder is not None:
-            self.recorder.write_turn(done.record, done.fields)
+            self.recorder.write_turn_line(done.session_id, done.fields)
         parent = prepared.parent
         assert parent is None or isinstance(parent, SharedNode)
         try:
             node = await self.sessions.commit(
                 claim.session, claim.turn_id, parent, done.message_end(parent), done.segment_keys,
                 reasoning_digest(done.assistant_reasoning) or None, prepared.piece.ids, result.completion_ids,
-                result.finish_reason, done.tools_sha256, prepared.kwargs, done.record.reply_id,
+                result.finish_reason, done.tools_sha256, prepared.kwargs, done.reply_id,
             )  # fmt: skip
         except SessionGone as error:  # refused by the store: certainly not committed
             self._withdraw(claim.session.session_id, claim.turn_id, error.message)

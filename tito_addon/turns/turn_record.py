@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from tito_addon.backends.backend_protocol import BackendResult
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.token_engine import TokenEngine
-from tito_addon.records.record_models import SegmentSpan, TokenizerInfo, TurnRecord
+from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
 from tito_addon.sessions.message_keys import MessageKey, message_key
 from tito_addon.sessions.session_tree import TurnNode
 
@@ -23,6 +23,7 @@ SAMPLING_KEYS = (
     "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
     "parallel_tool_calls", "reasoning_effort", "response_format",
 )  # fmt: skip
+SAMPLING_FIELDS = frozenset(SAMPLING_KEYS)
 
 
 def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
@@ -36,8 +37,9 @@ def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
 class CompletedTurn:
     """A turn the backend finished: its record line and the segment it adds to its session's tree."""
 
-    record: TurnRecord
-    fields: dict[str, Any]  # the line's fields, dumped once (for the line and for the flow metadata)
+    session_id: str
+    reply_id: str | None
+    fields: dict[str, Any]  # the line's fields (`TurnRecord.line_fields`), for the line and for the flow metadata
     segment_keys: tuple[MessageKey, ...]
     segment_reasoning: tuple[str | None, ...]
     assistant_reasoning: str | None
@@ -68,47 +70,50 @@ def completed_turn(
     tools_sha = tools_digest(prepared.request.tools)
     request = prepared.request
     # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
-    dumped = request.model_dump(mode="json", include=set(SAMPLING_KEYS) & set(prepared.agent.chat_body))
-    sampling = {k: v for k, v in dumped.items() if v is not None}
-    record = TurnRecord(
-        session_id=session_id,
-        turn_id=turn_id,
-        parent_turn_id=parent.turn_id if parent else None,
-        ts=time.time(),
-        model=request.model,
-        backend_kind=backend_kind,
-        request_id=request_id,
-        sampling=sampling,
-        chat_template_kwargs=prepared.kwargs,
-        tools_sha256=tools_sha,
-        tools=request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
-        appended_messages=[m.model_dump(mode="json", exclude_none=True) for m in prepared.appended]
+    asked = SAMPLING_FIELDS.intersection(prepared.agent.chat_body)
+    dumped = request.model_dump(mode="json", include=asked) if asked else {}
+    first_appended = len(prepared.keys) - len(prepared.appended)
+    # The line is built as `TurnRecord.line_fields` would give it, then validated as a TurnRecord (what every
+    # reader does with it) without building one: a model and its dump cost twice the validation.
+    fields = without_defaults({
+        "schema": TURN_SCHEMA,
+        "session_id": session_id,
+        "turn_id": turn_id,
+        "parent_turn_id": parent.turn_id if parent else None,
+        "ts": time.time(),
+        "model": request.model,
+        "backend_kind": backend_kind,
+        "request_id": request_id,
+        "sampling": {k: v for k, v in dumped.items() if v is not None},
+        "chat_template_kwargs": dict(prepared.kwargs),
+        "tools_sha256": tools_sha,
+        "tools": request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
+        "appended_messages": [m.model_dump(mode="json", exclude_none=True) for m in prepared.appended]
         if record_message_text
         else None,
-        appended_keys=None if record_message_text else [key.hex() for key in appended_keys],
-        api=prepared.route.api.name,
-        reply_id=reply_id or None,
-        appended_items=(prepared.agent.appended_items(len(prepared.keys) - len(prepared.appended)) or None)
-        if record_message_text
-        else None,
-        left_out=prepared.agent.dropped or None,
-        prompt_added_ids=prepared.piece.ids,
-        prompt_segments=[SegmentSpan(source=s.source, start=s.start, end=s.end) for s in prepared.piece.segments],
-        prompt_len=len(prepared.prompt),
-        completion_ids=result.completion_ids,
-        completion_logprobs=result.completion_logprobs,
-        assistant_message=result.message,
-        finish_reason=result.finish_reason,
-        ambiguous_parent=prepared.attachment.ambiguous and parent is not None,
-        render_skew=result.extra.get("render_skew"),
-        backend_version=result.extra.get("backend_version"),
-        weight_version=result.weight_version,
-        weight_version_spans=result.weight_version_spans,
-        tokenizer=TokenizerInfo(
-            name=engine.tokenizer_name,
-            tokenizer_sha256=engine.tokenizer_sha256,
-            template_sha256=engine.template_sha256,
-            family=engine.family.name,
-        ),
-    )
-    return CompletedTurn(record, record.line_fields(), segment_keys, segment_reasoning, reasoning, tools_sha)
+        "appended_keys": None if record_message_text else [key.hex() for key in appended_keys],
+        "prompt_added_ids": prepared.piece.ids,
+        "prompt_segments": [{"source": s.source, "start": s.start, "end": s.end} for s in prepared.piece.segments],
+        "prompt_len": len(prepared.prompt),
+        "completion_ids": result.completion_ids,
+        "completion_logprobs": result.completion_logprobs,
+        "assistant_message": result.message,
+        "finish_reason": result.finish_reason,
+        "ambiguous_parent": prepared.attachment.ambiguous and parent is not None,
+        "api": prepared.route.api.name,
+        "reply_id": reply_id or None,
+        "appended_items": (prepared.agent.appended_items(first_appended) or None) if record_message_text else None,
+        "left_out": prepared.agent.dropped or None,
+        "render_skew": result.extra.get("render_skew"),
+        "backend_version": result.extra.get("backend_version"),
+        "weight_version": result.weight_version,
+        "weight_version_spans": result.weight_version_spans,
+        "tokenizer": {
+            "name": engine.tokenizer_name,
+            "tokenizer_sha256": engine.tokenizer_sha256,
+            "template_sha256": engine.template_sha256,
+            "family": engine.family.name,
+        },
+    })  # fmt: skip
+    TurnRecord.model_validate(fields)
+    return CompletedTurn(session_id, reply_id or None, fields, segment_keys, segment_reasoning, reasoning, tools_sha)

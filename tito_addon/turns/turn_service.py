@@ -413,7 +413,7 @@ class TurnService:
             record_message_text=self.record_message_text,
         )  # fmt: skip
         if self.recorder is not None:
-            self.recorder.write_turn(done.record, done.fields)
+            self.recorder.write_turn_line(done.session_id, done.fields)
         node = self.store.commit(
             session,
             parent,
