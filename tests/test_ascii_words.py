@@ -4,6 +4,7 @@ families, and gives the Rust tokenizer's ids on every shared text, the template,
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import tokenizers
@@ -98,3 +99,34 @@ def test_a_tokenizer_that_truncates_is_not_taken() -> None:
     tokenizer = tokenizers.Tokenizer.from_str(rust("qwen3").to_str())
     tokenizer.enable_truncation(8)
     assert ascii_words(tokenizer) is None
+
+
+@pytest.mark.parametrize("family", WORD_FAMILIES)
+def test_text_is_encoded_by_runs_cut_before_spaces_that_follow_a_word(family: str) -> None:
+    """Runs are remembered whole; each cut must leave the ids unchanged, where the text is cut and where it is not
+    (spaces after spaces or other whitespace, a leading space, a run too long to remember)."""
+    encoder, tokenizer = words(family), rust(family)
+    assert encoder.cut_at_spaces
+    texts = [
+        "item 7: 7919 ok item 8: 7919 ok", "  leading", "a  b   c", "tab\t x", "line\n y", "x\x1c y\x1f z",
+        " ", "end ", "x" * 200 + " " + "y" * 65 + " short", "don't 'll 's stop", "<|im_end|> after <think> x",
+    ]  # fmt: skip
+    for text in texts:
+        for _ in range(2):  # the second time from remembered runs
+            assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+    assert " 7919" in encoder.runs and "x" * 200 not in encoder.runs
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"[A-Za-z]+ [A-Za-z]+|[\s\S]",  # a piece that holds a space after a word: no cut is safe
+        r"[A-Za-z]+(?=\s)|[\s\S]",  # a lookahead that reads past a run's end
+        r"(?<=a)b|[\s\S]",  # a lookbehind that reads before a run's start
+        r"\b[A-Za-z]+|[\s\S]",
+        r"^ |[\s\S]",
+    ],
+)
+def test_a_pattern_whose_runs_depend_on_their_context_is_not_cut(pattern: str) -> None:
+    assert not module.splits_at_spaces(re.compile(pattern, re.ASCII))
+    assert module.splits_at_spaces(words("qwen3").split) and module.splits_at_spaces(words("gpt-oss").split)
