@@ -453,7 +453,9 @@ class TitoAddon:
     async def _serve_cancellable(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | None:
         """Serve the turn as a task that a client disconnect cancels (None then): mitmproxy keeps running a
         request hook after its client has gone, and a turn nobody receives must not be recorded."""
-        task = asyncio_utils.create_task(self._serve(flow, base_url), name="tito-turn", keep_ref=True)
+        # Awaited right here and held in `_turns`, so neither mitmproxy's keep-alive set nor its debug info (an
+        # environment lookup per task) is needed.
+        task = asyncio.create_task(self._serve(flow, base_url), name="tito-turn")
         turns = self._turns.setdefault(flow.client_conn.id, set())
         turns.add(task)
         try:
