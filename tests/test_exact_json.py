@@ -39,6 +39,8 @@ def test_a_record_line_reads_back_as_the_standard_library_writes_it(fields: dict
         lambda bad: {"assistant_message": {"content": "null", "tool_calls": [{"score": bad}]}},
         lambda bad: {"sampling": {"temperature": bad}},  # no null anywhere else in the line
         lambda bad: {"ts": bad, "model": "null"},
+        lambda bad: {"parent_turn_id": None, "ts": bad},  # as many nulls as members that are None, plus one
+        lambda bad: {"a": None, "b": None, "c": {"d": [bad]}},
     ],
 )
 def test_a_record_line_refuses_a_non_finite_number_wherever_it_is(bad: float, where) -> None:
