@@ -282,4 +282,3 @@ def test_the_record_dir_is_made_when_missing_even_after_it_was_removed(tmp_path:
     recorder.write_turn(turn("s", 1))
     lines = (record_dir / session_file_name("s")).read_text().splitlines()
     assert [json.loads(line)["turn_id"] for line in lines] == [1]
-
