@@ -12,6 +12,7 @@ import pytest
 from proxy_harness import REPO
 
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.records import trajectory_recorder
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import (
     RecordError,
@@ -282,3 +283,87 @@ def test_the_record_dir_is_made_when_missing_even_after_it_was_removed(tmp_path:
     recorder.write_turn(turn("s", 1))
     lines = (record_dir / session_file_name("s")).read_text().splitlines()
     assert [json.loads(line)["turn_id"] for line in lines] == [1]
+
+
+def open_files(directory: Path) -> set[str]:
+    """The files under `directory` this process holds open."""
+    held = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            held.add(Path(target).name)
+    return held
+
+
+def test_a_held_file_removed_or_replaced_is_opened_again_and_a_renamed_one_followed(tmp_path: Path) -> None:
+    """Descriptors stay open between lines: a file removed or replaced under them is opened again at its path, and
+    a renamed one keeps its session whole."""
+    recorder = TrajectoryRecorder(tmp_path)
+    path = tmp_path / session_file_name("s")
+    recorder.write_turn(turn("s", 0))
+    assert open_files(tmp_path) == {path.name}
+    path.unlink()
+    path.write_text("")  # replaced by another file of the same name
+    recorder.write_turn(turn("s", 1))
+    path.rename(tmp_path / "renamed.jsonl")
+    recorder.write_turn(turn("s", 2))
+    assert [json.loads(line)["turn_id"] for line in (tmp_path / "renamed.jsonl").read_text().splitlines()] == [1, 2]
+    assert open_files(tmp_path) == {"renamed.jsonl"}
+
+
+def test_a_line_another_writer_tore_in_a_held_file_stays_its_own(tmp_path: Path) -> None:
+    recorder = TrajectoryRecorder(tmp_path)
+    path = tmp_path / session_file_name("s")
+    recorder.write_turn(turn("s", 0))
+    with path.open("ab") as other:  # a second process appending to the same file, killed mid-line
+        other.write(turn("s", 1).dump_line()[:40])
+    recorder.write_turn(turn("s", 2))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["turn_id"] == 2
+    recorded = read_session(tmp_path, "s")
+    assert recorded is not None and [t.turn_id for t in recorded.turns] == [0, 2]
+
+
+def test_held_files_are_bounded_and_a_closed_session_releases_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(trajectory_recorder, "OPEN_FILES", 3)
+    recorder = TrajectoryRecorder(tmp_path)
+    assert recorder.open_files == 3
+    for name in "abcde":
+        recorder.write_turn(turn(name, 0))
+    assert open_files(tmp_path) == {session_file_name(name) for name in "cde"}  # the most recent ones
+    recorder.close_session("d", 1, "closed")
+    assert open_files(tmp_path) == {session_file_name(name) for name in "ce"}
+    recorder.write_turn(turn("a", 1))  # opened again: appended after its first line
+    assert [json.loads(line)["turn_id"] for line in (tmp_path / session_file_name("a")).read_text().splitlines()] == [
+        0,
+        1,
+    ]
+    recorder.close()
+    assert open_files(tmp_path) == set()
+
+
+def test_out_of_descriptors_the_held_files_give_theirs_back(tmp_path: Path) -> None:
+    import resource
+
+    recorder = TrajectoryRecorder(tmp_path)
+    for name in "abc":
+        recorder.write_turn(turn(name, 0))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    spare = []
+    try:
+        while True:  # take every descriptor left
+            spare.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        recorder.write_turn(turn("d", 0))  # no descriptor free: the held ones are closed, then it opens
+    finally:
+        for fd in spare:
+            os.close(fd)
+    assert open_files(tmp_path) == {session_file_name("d")}
+    assert TrajectoryRecorder(tmp_path).open_files == min(trajectory_recorder.OPEN_FILES, soft // 8)
