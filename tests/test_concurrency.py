@@ -157,7 +157,9 @@ def test_256_sessions_10000_turns_no_lost_duplicated_or_interleaved_turn_and_no_
     assert turns - 2 * SESSIONS >= 10_000, turns
     # Leaks: the same tasks and descriptors after 10,000 turns as after the warm-up.
     assert tasks_after["tasks"] <= tasks_before["tasks"], (tasks_before, tasks_after)
-    assert census_after["record_files"] == 0 and census_after["agent_sockets"] == 0, census_after
+    assert census_after["agent_sockets"] == 0, census_after
+    # Record files stay open for the most recent sessions (`trajectory_recorder.OPEN_FILES`): as many as before.
+    assert census_after["record_files"] == census_before["record_files"] <= SESSIONS, (census_before, census_after)
     assert census_after["other"] <= census_before["other"], (census_before, census_after)
     assert census_after["upstream_pool"] <= SESSIONS, census_after  # bounded by concurrency, not by turns
 
