@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from tito_addon.canonical_chat import ChatMessage, ChatRequest, parse_arguments
+from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
     AgentRequest,
@@ -222,7 +223,7 @@ def error_json(status: int, message: str) -> bytes:
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return f"event: {name}\ndata: ".encode() + dumps_exact(payload, allow_nan=True) + b"\n\n"
 
 
 class AnthropicResponder:
@@ -315,7 +316,7 @@ class AnthropicResponder:
             "stop_sequence": stop_sequence,
             "usage": self.usage(outcome),
         }
-        return HttpReply(200, {"content-type": "application/json"}, json.dumps(payload, ensure_ascii=False).encode())
+        return HttpReply(200, {"content-type": "application/json"}, dumps_exact(payload, allow_nan=True))
 
     # -- streaming -----------------------------------------------------------------------------------------------
 

@@ -7,10 +7,10 @@ held back and never becomes a message item.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
+from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
     AgentRequest,
@@ -108,7 +108,7 @@ class ResponsesResponder:
         streamed = self.stream_start() + b"".join(self.stream_chunk(c) for c in chunks) + self.stream_end(outcome, [])
         if self.request.stream:
             return HttpReply(200, {**SSE_HEADERS, "x-tito-stream": "reframed"}, streamed)
-        body = json.dumps(self.response("completed", outcome), ensure_ascii=False).encode()
+        body = dumps_exact(self.response("completed", outcome), allow_nan=True)
         return HttpReply(200, {"content-type": "application/json"}, body)
 
     # -- streaming -----------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class ResponsesResponder:
     def _event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: ".encode() + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+        return f"event: {kind}\ndata: ".encode() + dumps_exact(payload, allow_nan=True) + b"\n\n"
 
     def stream_start(self) -> bytes:
         snapshot = self.response("in_progress", None)
