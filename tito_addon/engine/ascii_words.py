@@ -40,7 +40,8 @@ PROPERTY = re.compile(r"\\p\{(\w+)\}")
 WORD_CACHE = 200_000
 RUN_CACHE = 100_000
 RUN_MAX = 64  # a longer run (a blob without spaces) is split by the pattern each time and not remembered
-# A space at the start or after whitespace: there the text is not cut (the run of spaces stays whole).
+# A space at the start or after whitespace (the pattern's: re.ASCII `\s`): there the text is not cut.
+WHITESPACE = " \t\n\r\x0b\x0c"
 NOT_CUT = re.compile(r"^ |\s ", re.ASCII)
 SPANS_A_CUT = re.compile(r"\S ", re.ASCII)
 PROBES = [
@@ -190,7 +191,7 @@ class AsciiWords:
             runs = []
             run = parts[0]
             for part in parts[1:]:
-                if run and not run[-1].isspace():
+                if run and run[-1] not in WHITESPACE:
                     runs.append(run)
                     run = " " + part
                 else:

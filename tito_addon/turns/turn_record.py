@@ -18,12 +18,11 @@ from tito_addon.sessions.session_tree import TurnNode
 if TYPE_CHECKING:
     from tito_addon.turns.turn_service import PreparedTurn
 
-SAMPLING_KEYS = (
+SAMPLING_KEYS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "seed", "stop", "n", "logit_bias", "tool_choice",
     "parallel_tool_calls", "reasoning_effort", "response_format",
-)  # fmt: skip
-SAMPLING_FIELDS = frozenset(SAMPLING_KEYS)
+})  # fmt: skip
 
 
 def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
@@ -70,7 +69,7 @@ def completed_turn(
     tools_sha = tools_digest(prepared.request.tools)
     request = prepared.request
     # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
-    asked = SAMPLING_FIELDS.intersection(prepared.agent.chat_body)
+    asked = SAMPLING_KEYS.intersection(prepared.agent.chat_body)
     dumped = request.model_dump(mode="json", include=asked) if asked else {}
     first_appended = len(prepared.keys) - len(prepared.appended)
     # The line is built as `TurnRecord.line_fields` would give it, then validated as a TurnRecord (what every
