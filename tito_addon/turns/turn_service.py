@@ -8,11 +8,12 @@ backend answered, so a rejected or failed request leaves no trace in memory or o
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -79,10 +80,15 @@ class PreparedTurn:
     kwargs: dict[str, Any]
     keys: list[Any]
     namespace: str
-    # The id a new automatic session will get, known before the commit so a reply id can name it.
-    new_session_id: str = field(default_factory=automatic_session_id)
     # With a shared store: the digest of all the request's message keys (its GRPO group, when it is a first turn).
     request_path: bytes = b""
+
+    @functools.cached_property
+    def new_session_id(self) -> str:
+        """The id a new automatic session will get, known before the commit so a reply id can name it. Minted when
+        first asked (a first turn's reply or claim): a turn that continues a session never needs one, and minting
+        reads the system's random source."""
+        return automatic_session_id()
 
 
 @dataclass(frozen=True)
