@@ -1,8 +1,7 @@
 """The mitmproxy addon: a thin shell that hands chat-completion flows to the turn service.
 
-Lifecycle hooks stay synchronous (an async `configure`/`running`/`done` silently breaks script hot
-reload); only `request` is async. Every chat flow is answered by the addon itself: an unexpected
-exception becomes a 500 JSON reply, because mitmproxy would otherwise forward the raw request upstream.
+Lifecycle hooks stay synchronous (an async `configure`/`running`/`done` breaks script hot reload); `request` alone is
+async. Every chat flow is answered here: an unexpected exception is a 500 JSON reply, never a raw request upstream.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.collector_tuning import tune_collector
 from tito_addon.proxy.episode_naming import EPISODE
+from tito_addon.proxy.flow_messages import folded_headers, reply_response
 from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
 from tito_addon.proxy.shared_store import SharedStore
 from tito_addon.proxy.tito_settings import TitoSettings
@@ -383,7 +383,7 @@ class TitoAddon:
         if reply is None:
             flow.kill()  # the agent hung up: its turn was cancelled before anything was recorded
             return
-        flow.response = http.Response.make(reply.status, reply.body, reply.headers)
+        flow.response = reply_response(reply)
         if reply.metadata:
             flow.metadata["tito"] = reply.metadata
 
@@ -408,7 +408,7 @@ class TitoAddon:
             wants_stream = json.loads(body).get("stream") is True
         except (ValueError, AttributeError, RecursionError):
             return False  # the ordinary path answers the bad body
-        headers = {k: v for k, v in flow.request.headers.items()}
+        headers = folded_headers(flow.request.headers)
         if not wants_stream or base_url is None or not await self.service.backend.can_stream(base_url, headers):
             return False
         port = await self.live.ensure_started()
@@ -481,7 +481,7 @@ class TitoAddon:
             body = flow.request.content or b""
         except ValueError:
             return json_reply(400, TitoError("request body has an invalid content-encoding", status=400).body())
-        headers = {k: v for k, v in flow.request.headers.items()}
+        headers = folded_headers(flow.request.headers)
         assert base_url is not None  # request() only serves flows to backend hosts
         return await self.service.handle(flow.request.path, headers, body, base_url, flow.metadata.get(EPISODE))
 
