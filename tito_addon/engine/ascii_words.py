@@ -42,7 +42,8 @@ RUN_CACHE = 100_000
 RUN_MAX = 64  # a longer run (a blob without spaces) is split by the pattern each time and not remembered
 # A space at the start or after whitespace (the pattern's: re.ASCII `\s`): there the text is not cut.
 WHITESPACE = " \t\n\r\x0b\x0c"
-NOT_CUT = re.compile(r"^ |\s ", re.ASCII)
+# Substring tests find those spaces ~5x faster than the regex `^ |\s ` on a tool result.
+SPACE_AFTER_WHITESPACE = tuple(c + " " for c in WHITESPACE)
 SPANS_A_CUT = re.compile(r"\S ", re.ASCII)
 PROBES = [
     "Hello, world! It's   fine\n\n\tok",
@@ -155,6 +156,7 @@ class AsciiWords:
         self.table = str.maketrans(_byte_level_table())
         self.words: dict[str, tuple[int, ...]] = {}  # tuples of ints: the garbage collector stops walking them
         self.runs: dict[str, tuple[int, ...]] = {}
+        self.spaced_runs: dict[str, tuple[int, ...]] = {}  # " " + key -> its ids
         self.cut_at_spaces = splits_at_spaces(split)
         self.fallback: Callable[[str], list[int]] = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -185,31 +187,40 @@ class AsciiWords:
             self._pieces(text, ids)
             return
         parts = text.split(" ")
-        if NOT_CUT.search(text) is None:
-            runs = [parts[0], *map(" ".__add__, parts[1:])]
-        else:
-            runs = []
-            run = parts[0]
+        if not text.startswith(" ") and not any(pair in text for pair in SPACE_AFTER_WHITESPACE):
+            # Every space is a cut: the runs are the first part, then a space and each part after it. Those are
+            # remembered by the part alone, so no run string is built for a run seen before.
+            self._run(parts[0], parts[0], self.runs, ids)
+            spaced = self.spaced_runs
             for part in parts[1:]:
-                if run and run[-1] not in WHITESPACE:
-                    runs.append(run)
-                    run = " " + part
+                found = spaced.get(part)
+                if found is None:
+                    self._run(part, " " + part, spaced, ids)
                 else:
-                    run += " " + part
-            runs.append(run)
-        known = self.runs
-        for run in runs:
-            found = known.get(run)
-            if found is None:
-                if len(run) > RUN_MAX:
-                    self._pieces(run, ids)
-                    continue
-                encoded: list[int] = []
-                self._pieces(run, encoded)
-                if len(known) >= RUN_CACHE:
-                    known.clear()
-                found = known[run] = tuple(encoded)
-            ids += found
+                    ids += found
+            return
+        run = parts[0]
+        for part in parts[1:]:
+            if run and run[-1] not in WHITESPACE:
+                self._run(run, run, self.runs, ids)
+                run = " " + part
+            else:
+                run += " " + part
+        self._run(run, run, self.runs, ids)
+
+    def _run(self, key: str, run: str, known: dict[str, tuple[int, ...]], ids: list[int]) -> None:
+        """Add the ids of `run`, remembered in `known` under `key` (`run` itself, or the part after its space)."""
+        found = known.get(key)
+        if found is None:
+            if len(run) > RUN_MAX:
+                self._pieces(run, ids)
+                return
+            encoded: list[int] = []
+            self._pieces(run, encoded)
+            if len(known) >= RUN_CACHE:
+                known.clear()
+            found = known[key] = tuple(encoded)
+        ids += found
 
     def _pieces(self, text: str, ids: list[int]) -> None:
         pieces = self.split.findall(text)
