@@ -400,6 +400,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--p2-rounds", type=int, help="P2's interleaved rounds (default: --repeats); P2 is the noisiest ratio and cheap"
+    )
+    parser.add_argument(
         "--only", default="p1,p2,p3,p5,p6,p1s,p2f", help="comma-separated: p1 (with p4), p2, p3, p5, p6, p1s, p2f"
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
@@ -443,7 +446,7 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
         if before is not None:
             results["p1_breakdown_before"] = p1_breakdown(args.turns, before)
     if "p2" in only:
-        results["p2"] = p2(before=before, rounds=args.repeats)
+        results["p2"] = p2(before=before, rounds=args.p2_rounds or args.repeats)
     if "p3" in only:
         results["p3"] = p3()
     if "p5" in only:
