@@ -60,14 +60,16 @@ async def _agent(client: aiohttp.ClientSession, url: str, index: int, turns: int
                      {"role": "user", "content": f"Tool says ({turn}): {TOOL_RESULT}"}]  # fmt: skip
 
 
-async def _load(urls: list[str], sessions: int, turns: int) -> dict:
+async def _load(urls: list[str], sessions: int, turns: int, first: int = 0) -> dict:
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         started = time.perf_counter()
         # An agent always talks to the same proxy (its session lives there), as behind a sticky load balancer.
-        await asyncio.gather(*(_agent(client, urls[i % len(urls)], i, turns, latencies) for i in range(sessions)))
+        await asyncio.gather(
+            *(_agent(client, urls[i % len(urls)], first + i, turns, latencies) for i in range(sessions))
+        )
         elapsed = time.perf_counter() - started
     latencies.sort()
     return {
@@ -79,5 +81,6 @@ async def _load(urls: list[str], sessions: int, turns: int) -> dict:
     }
 
 
-def run_load(urls: list[str], sessions: int, turns: int) -> dict:
-    return asyncio.run(_load(urls, sessions, turns))
+def run_load(urls: list[str], sessions: int, turns: int, first: int = 0) -> dict:
+    """`sessions` agents numbered from `first` (agents of another number send other conversations)."""
+    return asyncio.run(_load(urls, sessions, turns, first))

@@ -8,12 +8,14 @@ space only: the kernel's share of a turn (the sockets, the record file) is not i
 
     .venv/bin/python bench/proxy_instructions.py addon|passthrough [--agents 128] [--repo PATH]   # ~8 min each
 
-Two can run at once (the counts do not depend on the machine's load).
+Several can run at once (the counts do not depend on the machine's load): `bench/run_all.py --only p2i` runs
+passthrough, the addon and the addon "before" side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -38,21 +40,15 @@ def instructions(dump: Path) -> int:
     return int(found.group(1))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("proxy", choices=["addon", "passthrough"])
-    parser.add_argument("--agents", type=int, default=128)
-    parser.add_argument("--turns", type=int, default=10)
-    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose addon runs (a 'before')")
-    args = parser.parse_args()
-
+def measure(proxy_kind: str, agents: int = 128, turns: int = 10, repo: Path = REPO) -> dict:
+    """Instructions a turn of one proxy process (`addon` from `repo`, or `passthrough`) over P2's turns."""
     out = Path(tempfile.mkdtemp(prefix="tito-instructions-"))
     valgrind = ["valgrind", "--tool=callgrind", "--compress-strings=no", f"--callgrind-out-file={out}/cg.%p"]
     backend = BackendProcess(0.1)
     record_dir = Path(tempfile.mkdtemp(prefix="tito-instructions-rec-"))
     proxy = Mitmdump(backend.url, tokenizer=str(TOKENIZER), record_dir=record_dir, cwd=record_dir,
-                     extra_args=["--set", "flow_detail=0"], launcher=valgrind, repo=args.repo)  # fmt: skip
-    if args.proxy == "passthrough":
+                     extra_args=["--set", "flow_detail=0"], launcher=valgrind, repo=repo)  # fmt: skip
+    if proxy_kind == "passthrough":
         mitmdump = str(Path(sys.executable).with_name("mitmdump"))
         proxy.argv = [*valgrind, mitmdump, "--mode", f"reverse:{backend.url}", "--listen-host", "127.0.0.1", "-p", "0",
                       "--set", "flow_detail=0"]  # fmt: skip
@@ -66,15 +62,36 @@ def main() -> int:
             time.sleep(2)
             return max(out.glob(f"cg.{pid}.*"), key=lambda path: int(path.suffix[1:]))
 
-        run_load([proxy.url], 32, 3)  # warm-up: pools, caches, the first sessions
+        # Warm-up agents of other numbers: agents that sent the measured agents' first messages would make the
+        # measured first turns find a session they did not start.
+        run_load([proxy.url], 32, 3, first=WARM_UP_FIRST)
         dump()
-        run = run_load([proxy.url], args.agents, args.turns)
+        run = run_load([proxy.url], agents, turns)
         counted = instructions(dump())
     finally:
         proxy.stop()
         backend.close()
     per_turn = counted / run["turns"]
-    print(f"{args.proxy} ({args.repo}): {run['turns']} turns, {per_turn / 1e6:.3f} M instructions a turn")
+    return {"proxy": proxy_kind, "repo": str(repo), "turns": run["turns"], "instructions_per_turn": per_turn}
+
+
+WARM_UP_FIRST = 1_000_000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("proxy", choices=["addon", "passthrough"])
+    parser.add_argument("--agents", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout whose addon runs (a 'before')")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args()
+    result = measure(args.proxy, args.agents, args.turns, args.repo)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.proxy} ({args.repo}): {result['turns']} turns, "
+              f"{result['instructions_per_turn'] / 1e6:.3f} M instructions a turn")  # fmt: skip
     return 0
 
 

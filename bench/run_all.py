@@ -8,6 +8,7 @@ P1  per-turn added latency vs history length: one session of N turns, each appen
     history every turn.
 P2  concurrency: 256 agents x 10 turns, 100 ms backend latency: turns/s and p50/p99 latency through the addon
     vs plain mitmdump passthrough vs direct, and with N mitmdump processes (bench/concurrency.py).
+P2i P2's turns in instructions a turn, a whole proxy process under callgrind (bench/proxy_instructions.py).
 P3  memory per stored token: 1,000 sessions x 20k tokens in the session tree (ids only; logprobs live on disk).
 P4  recording bytes per token for the N-turn session, vs the trajectory's own size (its final ids + logprobs).
 P1s, P2f  the shared session store (Redis) against `memory`, and 1-3 proxies behind HAProxy (bench/fleet_bench.py).
@@ -268,9 +269,13 @@ def process_cpu_s(pid: int) -> float | None:
 
 def measured_load(urls: list[str], pids: list[int], sessions: int, turns: int) -> dict:
     """`run_load`, plus the proxies' own CPU per turn: on a machine whose cores the agents and the backend share,
-    turns/s also moves with what they got, CPU per turn only with what the proxy did."""
+    turns/s also moves with what they got, CPU per turn only with what the proxy did. Each proxy first serves a
+    warm-up of other agents (unmeasured), so what a process does once (its pools, its first renders of each
+    message shape, lazy imports) is not counted as per-turn cost: a short run would count it once per process, so
+    twice as often per turn with two processes as with one."""
     from concurrency import run_load
 
+    run_load(urls, WARM_UP_AGENTS * len(urls), WARM_UP_TURNS, first=WARM_UP_FIRST)
     before = [process_cpu_s(pid) for pid in pids]
     run = run_load(urls, sessions, turns)
     after = [process_cpu_s(pid) for pid in pids]
@@ -278,6 +283,31 @@ def measured_load(urls: list[str], pids: list[int], sessions: int, turns: int) -
     if len(used) == len(pids):
         run["proxy_cpu_ms_per_turn"] = sum(used) / run["turns"] * 1e3
     return run
+
+
+WARM_UP_AGENTS, WARM_UP_TURNS, WARM_UP_FIRST = 32, 3, 1_000_000
+
+
+def p2_instructions(before: Path | None = None) -> dict:
+    """P2's turns in instructions a turn, whole proxy process under callgrind (`bench/proxy_instructions.py`):
+    passthrough, the addon and the addon "before", side by side (the counts do not depend on the machine's load)."""
+    script = str(REPO / "bench" / "proxy_instructions.py")
+    jobs = {"passthrough": [script, "passthrough"], "addon": [script, "addon"]}
+    if before is not None:
+        jobs["addon_before"] = [script, "addon", "--repo", str(before)]
+    procs = {name: subprocess.Popen([sys.executable, *argv, "--json"], stdout=subprocess.PIPE, text=True)
+             for name, argv in jobs.items()}  # fmt: skip
+    result: dict = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=7200)
+        if proc.returncode != 0:
+            raise RuntimeError(f"proxy_instructions {name} exited {proc.returncode}")
+        result[name] = json.loads(out.strip().splitlines()[-1])
+    plain = result["passthrough"]["instructions_per_turn"]
+    result["passthrough_over_addon"] = plain / result["addon"]["instructions_per_turn"]
+    if before is not None:
+        result["passthrough_over_before"] = plain / result["addon_before"]["instructions_per_turn"]
+    return result
 
 
 def p2(
@@ -403,11 +433,13 @@ def main() -> int:
         "--p2-rounds", type=int, help="P2's interleaved rounds (default: --repeats); P2 is the noisiest ratio and cheap"
     )
     parser.add_argument(
-        "--only", default="p1,p2,p3,p5,p6,p1s,p2f", help="comma-separated: p1 (with p4), p2, p3, p5, p6, p1s, p2f"
+        "--only",
+        default="p1,p2,p3,p5,p6,p2i,p1s,p2f",
+        help="comma-separated: p1 (with p4), p2, p2i (P2 in instructions), p3, p5, p6, p1s, p2f",
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results.json")
     parser.add_argument(
-        "--before", metavar="REV", help="also run P1 and P2 on this commit (a git worktree), for before/after"
+        "--before", metavar="REV", help="also run P1, P2 and P2i on this commit (a git worktree), for before/after"
     )
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -457,6 +489,8 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
         from stream_bench import p6
 
         results["p6"] = p6(TOKENIZER, args.repeats)
+    if "p2i" in only:  # after every timed measure: three callgrind runs load both cores for ~15 minutes
+        results["p2_instructions"] = p2_instructions(before)
     if "p1s" in only:
         from fleet_bench import p1_store
 
