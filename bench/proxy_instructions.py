@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from concurrency import BackendProcess, run_load  # noqa: E402
+from concurrency import BackendProcess, run_load, warm_up  # noqa: E402
 
 from tito_addon.replicas.proxy_process import Mitmdump  # noqa: E402
 
@@ -62,9 +62,7 @@ def measure(proxy_kind: str, agents: int = 128, turns: int = 10, repo: Path = RE
             time.sleep(2)
             return max(out.glob(f"cg.{pid}.*"), key=lambda path: int(path.suffix[1:]))
 
-        # Warm-up agents of other numbers: agents that sent the measured agents' first messages would make the
-        # measured first turns find a session they did not start.
-        run_load([proxy.url], 32, 3, first=WARM_UP_FIRST)
+        warm_up([proxy.url])
         dump()
         run = run_load([proxy.url], agents, turns)
         counted = instructions(dump())
@@ -73,9 +71,6 @@ def measure(proxy_kind: str, agents: int = 128, turns: int = 10, repo: Path = RE
         backend.close()
     per_turn = counted / run["turns"]
     return {"proxy": proxy_kind, "repo": str(repo), "turns": run["turns"], "instructions_per_turn": per_turn}
-
-
-WARM_UP_FIRST = 1_000_000
 
 
 def main() -> int:

@@ -269,13 +269,12 @@ def process_cpu_s(pid: int) -> float | None:
 
 def measured_load(urls: list[str], pids: list[int], sessions: int, turns: int) -> dict:
     """`run_load`, plus the proxies' own CPU per turn: on a machine whose cores the agents and the backend share,
-    turns/s also moves with what they got, CPU per turn only with what the proxy did. Each proxy first serves a
-    warm-up of other agents (unmeasured), so what a process does once (its pools, its first renders of each
-    message shape, lazy imports) is not counted as per-turn cost: a short run would count it once per process, so
-    twice as often per turn with two processes as with one."""
-    from concurrency import run_load
+    turns/s also moves with what they got, CPU per turn only with what the proxy did. Each proxy is warmed first:
+    a short run would count what a process does once as per-turn cost, twice as often with two processes as with
+    one."""
+    from concurrency import run_load, warm_up
 
-    run_load(urls, WARM_UP_AGENTS * len(urls), WARM_UP_TURNS, first=WARM_UP_FIRST)
+    warm_up(urls)
     before = [process_cpu_s(pid) for pid in pids]
     run = run_load(urls, sessions, turns)
     after = [process_cpu_s(pid) for pid in pids]
@@ -283,9 +282,6 @@ def measured_load(urls: list[str], pids: list[int], sessions: int, turns: int) -
     if len(used) == len(pids):
         run["proxy_cpu_ms_per_turn"] = sum(used) / run["turns"] * 1e3
     return run
-
-
-WARM_UP_AGENTS, WARM_UP_TURNS, WARM_UP_FIRST = 32, 3, 1_000_000
 
 
 def p2_instructions(before: Path | None = None) -> dict:
@@ -298,11 +294,16 @@ def p2_instructions(before: Path | None = None) -> dict:
     procs = {name: subprocess.Popen([sys.executable, *argv, "--json"], stdout=subprocess.PIPE, text=True)
              for name, argv in jobs.items()}  # fmt: skip
     result: dict = {}
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=7200)
-        if proc.returncode != 0:
-            raise RuntimeError(f"proxy_instructions {name} exited {proc.returncode}")
-        result[name] = json.loads(out.strip().splitlines()[-1])
+    try:
+        for name, proc in procs.items():
+            out, _ = proc.communicate(timeout=7200)
+            if proc.returncode != 0:
+                raise RuntimeError(f"proxy_instructions {name} exited {proc.returncode}")
+            result[name] = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for proc in procs.values():  # one failed: the others would run on under callgrind for minutes
+            if proc.poll() is None:
+                proc.kill()
     plain = result["passthrough"]["instructions_per_turn"]
     result["passthrough_over_addon"] = plain / result["addon"]["instructions_per_turn"]
     if before is not None:
@@ -489,8 +490,6 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
         from stream_bench import p6
 
         results["p6"] = p6(TOKENIZER, args.repeats)
-    if "p2i" in only:  # after every timed measure: three callgrind runs load both cores for ~15 minutes
-        results["p2_instructions"] = p2_instructions(before)
     if "p1s" in only:
         from fleet_bench import p1_store
 
@@ -502,6 +501,8 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
         from fleet_bench import p2_fleet
 
         results["p2_fleet"] = p2_fleet(TOKENIZER)
+    if "p2i" in only:  # after every timed measure: three callgrind runs load both cores for ~15 minutes
+        results["p2_instructions"] = p2_instructions(before)
     return results
 
 
