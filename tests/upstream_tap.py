@@ -54,7 +54,8 @@ class UpstreamTap:
         self._loop = loop
         app = web.Application(client_max_size=1024**3)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        runner = web.AppRunner(app, access_log=None)
+        # A call the backend stalls on stays in flight; shutting down must not wait for it (aiohttp's default: 60 s).
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         loop.run_until_complete(site.start())
