@@ -127,7 +127,11 @@ async def run_episode(args: argparse.Namespace, tito: AsyncTitoClient, episode: 
         episode.name, reward=reward, labels=labels, metadata={"task": episode.task, **(episode.outcome or {})}
     )
     await tito.close(episode.name)
-    return pq.read_table(io.BytesIO(await tito.rows_parquet(episode.name, format=args.format)))
+    # One episode's rows are small: read them on this thread. pq.read_table goes through Arrow's dataset scanner,
+    # whose pool threads can still be joinable when the interpreter exits, and that aborts the process (SIGABRT,
+    # "terminate called without an active exception") after every row was written.
+    parquet = pq.ParquetFile(io.BytesIO(await tito.rows_parquet(episode.name, format=args.format)))
+    return parquet.read(use_threads=False)
 
 
 async def drive(args: argparse.Namespace) -> list[Episode]:
