@@ -22,6 +22,7 @@ from proxy_harness import post
 
 from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.proxy_process import Mitmdump
+from tito_addon.sessions.session_tree import sweep_interval
 
 KEY = "sk-tito-conc-KEY-3b02"
 
@@ -177,7 +178,7 @@ def test_idle_sessions_close_once_and_resume_from_every_writers_part(replica, re
             if recorded is not None and recorded.closes:
                 break
             time.sleep(0.5)
-        time.sleep(6)  # a second sweep on each proxy: still one close line
+        time.sleep(8 * sweep_interval(1))  # eight more sweeps on each proxy: still one close line
         recorded = read_session(record_dir, sid)
         assert recorded is not None and [(c.reason, c.turns) for c in recorded.closes] == [("idle", 3)]
         raw = client(proxies[0], sid).chat.completions.with_raw_response.create(

@@ -41,14 +41,13 @@ from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import read_session
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder, default_writer_id
-from tito_addon.sessions.session_tree import SessionStore
+from tito_addon.sessions.session_tree import SessionStore, sweep_interval
 from tito_addon.sessions.shared_sessions import SharedSessions
 from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.turns.turn_service import TurnService, strip_session_prefix
 
 logger = logging.getLogger(__name__)
 
-SWEEP_INTERVAL_S = 5.0
 STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 # Options whose change needs a new token engine (and so a new tokenizer load).
@@ -309,7 +308,8 @@ class TitoAddon:
 
     async def _sweep_forever(self) -> None:
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
+            idle_timeout = self.settings.session_idle_timeout if self.settings is not None else 0.0
+            await asyncio.sleep(sweep_interval(idle_timeout))
             if self.service is not None:
                 try:
                     await self.service.sweep_async()

@@ -142,6 +142,18 @@ class Attachment:
     ambiguous: bool = False
 
 
+SWEEP_INTERVAL_S = 5.0
+MIN_SWEEP_INTERVAL_S = 0.25
+
+
+def sweep_interval(idle_timeout: float) -> float:
+    """How often a process sweeps for idle sessions: every 5 s, or a quarter of a shorter idle timeout, so an idle
+    session is closed at most a quarter of its timeout late."""
+    if idle_timeout <= 0:
+        return SWEEP_INTERVAL_S
+    return min(SWEEP_INTERVAL_S, max(MIN_SWEEP_INTERVAL_S, idle_timeout / 4))
+
+
 class SessionStore:
     """All live sessions in least-recently-used order, with prefix indexes over automatic sessions.
 
