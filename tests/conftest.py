@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TITO_SHARED_DIR", REPO.parent / "shared"))
@@ -34,6 +35,19 @@ TOOLS = [
         },
     },
 ]
+# Hypothesis profiles: `ci` (`make test-all`, CI: `--hypothesis-profile=ci`) runs every generated test with the example
+# count written at it; `dev` (the default: `make test`, a bare `pytest`) runs a quarter of it for the sweeps that cost
+# seconds. Both assert the same properties; only how many inputs are drawn differs.
+settings.register_profile("ci", max_examples=100)
+settings.register_profile("dev", max_examples=25)
+settings.load_profile("dev")  # the hypothesis plugin loads `--hypothesis-profile` after this, when it is given
+
+
+def examples(count: int) -> int:
+    """The example count for a sweep written for `count` under the ci profile: scaled by the loaded profile."""
+    return max(10, count * settings.default.max_examples // 100)
+
+
 HUB_NAMES = {"qwen3": "Qwen/Qwen3-8B", "qwen2.5": "Qwen/Qwen2.5-7B-Instruct"}
 # The API keys the tests send (long enough to be unmistakable); none may appear in a recording or a proxy log.
 API_KEYS = (

@@ -55,6 +55,9 @@ from test_anthropic_messages import assert_token_exact
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
+# The full tier, alone on the machine: the real CLIs (an 800 MB npm install the first time) under their own timeouts.
+pytestmark = [pytest.mark.full, pytest.mark.serial]
+
 CLI_DIR = REPO / "tests" / "agent_clis"
 PINNED = json.loads((CLI_DIR / "package.json").read_text())["dependencies"]
 MARKER = "tito-ok"

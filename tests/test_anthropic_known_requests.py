@@ -9,6 +9,7 @@ import json
 
 import pytest
 from agent_reads import agent_read
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,7 +127,7 @@ TAILS = st.sampled_from(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(APPENDED, max_size=3), TAILS)
 def test_whatever_is_appended_reads_as_the_whole_request(appended: list[str], tail: str) -> None:
     prior = session(3)[-1]

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import tokenizers
-from conftest import SHARED, cached_engine
+from conftest import SHARED, cached_engine, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +77,7 @@ FRAGMENTS = st.sampled_from(
 
 
 @pytest.mark.parametrize("family", WORD_FAMILIES)
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(data=st.data())
 def test_generated_ascii_text(family: str, data: st.DataObject) -> None:
     parts = data.draw(st.lists(st.one_of(st.text(st.characters(max_codepoint=127), max_size=12), FRAGMENTS)))

@@ -19,12 +19,16 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import pytest
 from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump, get
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+# The full tier, alone on the machine: over 10,000 turns, and the process's tasks and descriptors counted.
+pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 SESSIONS = 256
 TURNS = 39  # per agent after its two warm-up turns; with the retries and edits: > 10,000 turns after the warm-up

@@ -18,12 +18,16 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from conftest import tokenizer_path
 from proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+# The full tier, alone on the machine: when each kill lands is timed against a loaded process.
+pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 AGENTS = 64
 KILLS = 20

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ JSON_VALUES = st.recursive(
 )  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(fields=st.dictionaries(st.text(max_size=12), JSON_VALUES, max_size=6))
 def test_a_record_line_reads_back_as_the_standard_library_writes_it(fields: dict) -> None:
     """Lines are written by orjson; whatever they hold (nulls, the text "null", any float) reads back as the

@@ -39,7 +39,12 @@ HAPROXY = shutil.which("haproxy")
 if HAPROXY is None and os.environ.get("TITO_HAPROXY_REQUIRED") == "1":
     raise RuntimeError("haproxy is required here (CI installs Debian's haproxy)")
 
-pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed")
+# The full tier, alone on the machine: three proxies, HAProxy, Redis and 256 agents load both cores for minutes.
+pytestmark = [
+    pytest.mark.full,
+    pytest.mark.serial,
+    pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed"),
+]
 
 
 @dataclass(frozen=True)

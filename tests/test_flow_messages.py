@@ -5,6 +5,7 @@ and a reply's response is byte for byte what `Response.make` gives."""
 from __future__ import annotations
 
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mitmproxy import http
@@ -18,7 +19,7 @@ NAMES = [b"Content-Type", b"content-type", b"CONTENT-TYPE", b"X-Session", b"x-se
 VALUES = st.binary(max_size=6) | st.sampled_from([b"", b"a, b", b"\xc3\xa9", b"\xff\xfe"])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(NAMES), VALUES), max_size=8))
 def test_equals_mitmproxy_items(fields: list[tuple[bytes, bytes]]) -> None:
     headers = http.Headers(tuple(fields))

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -149,7 +150,7 @@ def _write(doc: Any, rnd: random.Random, ws: list[str], canonical: bool = False)
     return "{" + w() + ("," + w()).join(members) + "}"
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     members=st.lists(st.tuples(TEXT, documents()), max_size=5, unique_by=lambda m: m[0]),
     duplicate=st.booleans(),
@@ -169,7 +170,7 @@ def test_generated_documents_parse_as_strict(members, duplicate, ws, seed, outer
     assert_as_strict(body)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     members=st.lists(st.tuples(TEXT, documents(scalars=CANONICAL_SCALARS)), max_size=5, unique_by=lambda m: m[0]),
     duplicate=st.booleans(),
@@ -182,7 +183,7 @@ def test_compact_documents_parse_as_strict(members, duplicate) -> None:
     assert_as_strict(body)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
@@ -194,7 +195,7 @@ def test_what_clients_write_parses_as_strict(value, compact, ascii_only) -> None
     assert_as_strict(body)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(body=st.binary(max_size=40) | st.text(alphabet='{}[]":,\\ a1-.eEnul\u00e9', max_size=40).map(str.encode))
 def test_random_bytes_parse_as_strict(body) -> None:
     assert_as_strict(b"{" + body if body[:1] != b"{" else body)

