@@ -71,6 +71,17 @@ def echo(message) -> dict:
     return out
 
 
+def wait_until(condition, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Polls `condition` until it holds or `timeout` seconds pass (a loaded machine: workers share the cores);
+    returns its last value, for the caller to assert with its own message."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (held := condition()) and time.monotonic() < deadline:
+        time.sleep(interval)
+    return bool(held)
+
+
 def tokenizer_path(family: str) -> str:
     local = SHARED / "tokenizers" / family
     return str(local) if local.is_dir() else HUB_NAMES[family]

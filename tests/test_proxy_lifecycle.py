@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TOOLS, tokenizer_path
+from conftest import TOOLS, tokenizer_path, wait_until
 from proxy_harness import REPO, Mitmdump
 from test_proxy_sglang import agent, run_agent
 
@@ -88,9 +88,8 @@ def test_an_agent_that_hangs_up_mid_turn_cancels_it_and_nothing_is_recorded(tmp_
         connection.request(
             "POST", "/v1/chat/completions", body, {"x-session-id": "gone", "content-type": "application/json"}
         )
-        time.sleep(0.5)
-        connection.sock.close()  # hang up while the backend is still generating
-        time.sleep(3.0)
-        assert len(slow.received()) == 1, "the turn reached the backend"
+        assert wait_until(lambda: len(slow.received()) == 1), "the turn reached the backend"
+        connection.sock.close()  # hang up while the backend is still generating (2 s from the turn's arrival)
+        time.sleep(3.0)  # past the backend's answer: whatever the proxy would record of it is on disk by now
         assert not (record_dir / "gone.jsonl").exists(), "a turn nobody received was recorded"
         assert "Traceback" not in proxy.output()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import TOOLS, tokenizer_path
+from conftest import TOOLS, tokenizer_path, wait_until
 from proxy_harness import Mitmdump, post
 
 from tito_addon.records.record_reader import iter_session_files
@@ -192,7 +192,7 @@ def test_sessions_close_when_idle_or_beyond_capacity_but_never_in_flight(tmp_pat
             )
         )
         slow_turn.start()
-        time.sleep(0.5)
+        assert wait_until(lambda: len(slow.received()) == 2), "a's second turn reached the backend"
         assert ask("b") == 200  # capacity 1: "a" is busy, so nothing can be evicted yet
         slow_turn.join()
         assert result == [200]
@@ -203,9 +203,7 @@ def test_sessions_close_when_idle_or_beyond_capacity_but_never_in_flight(tmp_pat
         assert json.loads((record_dir / "b.jsonl").read_text().splitlines()[-1])["reason"] == "evicted"
         # The idle timeout (4 s) plus at most one sweep interval (1 s, a quarter of it), awaited with room for a
         # loaded machine: "c" closes as idle, and no other reason comes first.
-        deadline = time.monotonic() + 4 + 30
-        while time.monotonic() < deadline and len((record_dir / "c.jsonl").read_text().splitlines()) < 2:
-            time.sleep(0.1)
+        wait_until(lambda: len((record_dir / "c.jsonl").read_text().splitlines()) == 2, timeout=4 + 30)
         closes = {p.stem: json.loads(p.read_text().splitlines()[-1]).get("reason") for p in record_dir.glob("*.jsonl")}
         assert closes["c"] == "idle"
     # Shutdown closes whatever is still live; every file ends with exactly one close line per close.
