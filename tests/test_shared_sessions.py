@@ -39,17 +39,25 @@ def start(replica, redis, record_dir: Path, cwd: Path, **options: str) -> Mitmdu
                     options=settings).start()  # fmt: skip
 
 
-@pytest.fixture
-def pair(replica, redis, tmp_path):
-    """Two proxies on one Redis, recording to one dir (each its own part of a session's file)."""
-    replica.backend.reset()
-    record_dir = tmp_path / "rec"
-    proxies = [start(replica, redis, record_dir, tmp_path / f"p{i}") for i in range(2)]
+@pytest.fixture(scope="module")
+def proxy_pair(replica, redis, tmp_path_factory):
+    """Two proxies on one Redis, recording to one dir (each its own part of a session's file), started once for
+    the module: each test works in sessions of its own (a fresh uuid), so it needs fresh sessions, not processes."""
+    root = tmp_path_factory.mktemp("pair")
+    record_dir = root / "rec"
+    proxies = [start(replica, redis, record_dir, root / f"p{i}") for i in range(2)]
     try:
         yield proxies, record_dir
     finally:
-        for proxy in proxies:
+        for proxy in proxies:  # a test may have replaced one (a restart): the list holds the live ones
             proxy.stop()
+
+
+@pytest.fixture
+def pair(proxy_pair, replica):
+    """The module's two proxies, with the backend's call log emptied for this test."""
+    replica.backend.reset()
+    return proxy_pair
 
 
 def client(proxy: Mitmdump, session: str | None = None) -> openai.OpenAI:
