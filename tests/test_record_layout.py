@@ -202,6 +202,52 @@ def test_the_cli_shows_and_exports_one_session_from_both_writers(tmp_path: Path)
         assert row["input_ids"] == ids[leaf][0] + ids[leaf][1]
 
 
+def test_show_takes_whole_session_ids_one_record_file_and_prints_whole_ids(tmp_path: Path) -> None:
+    long_id = "rollout-2026-12-02-episode-000042/sample-7"  # longer than any column would hold
+    record(tmp_path, long_id)
+    record(tmp_path, "agent-7")
+    result = cli("show", str(tmp_path), "--session", long_id, "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {r["session_id"] for r in rows} == {long_id} and len(rows) == len(TREE)
+    assert {r["turn_id"]: (r["prompt_ids"], r["completion_ids"]) for r in rows} == expected_ids()
+    # The summary names each session by its whole id, which --session takes back as it is printed.
+    result = cli("show", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"session {long_id} (" in result.stdout and "session agent-7 (" in result.stdout
+    # One record file: its session, every writer's part merged (the part alone lacks its turns' parents).
+    part = sorted(tmp_path.glob(session_file_name(long_id)[: -len(".jsonl")] + "+*.jsonl"))[1]
+    result = cli("show", str(part), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {r["session_id"] for r in rows} == {long_id} and [r["turn_id"] for r in rows] == sorted(TREE)
+    # What cannot be shown is a clear error, not an empty listing.
+    for args, error in [
+        (("--session", long_id[:16]), f"no session {long_id[:16]!r}"),
+        (("--session", "agent-7", "--session", "nope"), "no session 'nope'"),
+    ]:
+        result = cli("show", str(tmp_path), *args)
+        assert result.returncode == 2 and error in result.stderr and "Traceback" not in result.stderr, result.stderr
+    result = cli("show", str(part), "--session", "agent-7")
+    assert result.returncode == 2 and "a record file is already one session" in result.stderr
+
+
+def test_help_lists_every_subcommand_and_mitmdumps_own_options_stay_reachable() -> None:
+    from tito_addon.tools.cli import SUBCOMMANDS
+
+    result = cli("--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert set(SUBCOMMANDS) <= listed and {"--mitmdump-help", "--options"} <= listed
+    for name, (summary, _) in SUBCOMMANDS.items():
+        assert f"  {name} " in result.stdout and summary in result.stdout
+    mitmdump = cli("--mitmdump-help")
+    assert mitmdump.returncode == 0 and "--mode" in mitmdump.stdout and "--set" in mitmdump.stdout
+    for name in ("show", "export", "replay", "verify-template"):
+        own = cli(name, "--help")
+        assert own.returncode == 0 and "usage: python -m tito_addon " + name in own.stdout, (name, own.stderr)
+
+
 def test_replay_answers_a_turn_whose_parent_another_writer_recorded(tmp_path: Path) -> None:
     record(tmp_path, "agent-7")
     index = ReplayIndex.load(tmp_path)

@@ -1,7 +1,8 @@
-"""`python -m tito_addon`: run mitmdump with the addon, or one of the subcommands.
+"""`python -m tito_addon`: run mitmdump with the addon, or one of the subcommands (`--help` lists them).
 
 python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
-python -m tito_addon show RECORD_DIR [--json]  print recorded turns
+python -m tito_addon show RECORD_DIR|FILE [--session ID]... [--json]
+                                               print recorded turns
 python -m tito_addon export RECORD_DIR OUT [--format generic|verl|slime] [--to parquet|jsonl] [--session ID]...
                                                one row per branch, for trainers
 python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
@@ -15,12 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_reader import RecordError, iter_session_files, session_parts
+from tito_addon.records.record_reader import (
+    RecordError,
+    SessionFile,
+    base_name,
+    iter_session_files,
+    merge_parts,
+    read_session,
+    session_parts,
+)
 
-SUBCOMMANDS = ("show", "export", "replay", "redrive", "audit", "reference-backend", "demo", "verify-template")
 # Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
 REPLAY_MODE = "reverse:http://127.0.0.1:1"
 
@@ -35,15 +44,41 @@ def run_mitmdump(args: list[str]) -> int:
     return 0
 
 
+def shown_sessions(path: Path, session_ids: list[str] | None) -> Iterator[SessionFile]:
+    """What `show` reads: every session of a record dir, the named ones (whole ids), or the session of one record
+    file (with its other writers' parts beside it, without which its turns may not rebuild)."""
+    if path.is_file():
+        if session_ids:
+            raise RecordError("--session names sessions of a record dir; a record file is already one session")
+        yield merge_parts(session_parts(path.parent).get(base_name(path.name), [path]))
+        return
+    if not session_ids:
+        yield from iter_session_files(path)
+        return
+    if not path.is_dir():
+        raise RecordError(f"{path} is not a directory")
+    for session_id in dict.fromkeys(session_ids):
+        session_file = read_session(path, session_id)
+        if session_file is None:
+            raise RecordError(f"no session {session_id!r} in {path}")
+        yield session_file
+
+
 def show(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tito_addon show", description="Print recorded turns.")
-    parser.add_argument("record_dir", type=Path)
+    parser.add_argument("record_dir", type=Path, metavar="RECORD_DIR|FILE", help="a record dir or one record file")
+    parser.add_argument("--session", action="append", metavar="ID", help="only this session, its whole id (repeatable)")
     parser.add_argument("--json", action="store_true", help="one JSON object per turn, with full prompt ids")
     args = parser.parse_args(argv)
     try:
-        files = list(iter_session_files(args.record_dir))
-        for session_file in files:
+        for session_file in shown_sessions(args.record_dir, args.session):
             ids = session_file.full_ids()
+            if not args.json:
+                closed = f", closed ({session_file.closes[-1].reason})" if session_file.closes else ""
+                parts = len(session_file.paths)
+                name = session_file.path.name if parts == 1 else f"{session_file.path.name} and {parts - 1} more parts"
+                session_id = session_file.turns[0].session_id if session_file.turns else "(no turns)"
+                print(f"session {session_id} ({name}): {len(session_file.turns)} turns{closed}")
             for turn in session_file.turns:
                 prompt, completion = ids[turn.turn_id]
                 if args.json:
@@ -67,15 +102,10 @@ def show(argv: list[str]) -> int:
                     if calls:
                         summary = (summary + " " if summary else "") + f"→ {', '.join(calls)}()"
                     print(
-                        f"{turn.session_id[:16]:16} turn {turn.turn_id:>3} ← {str(turn.parent_turn_id):>4}  "
+                        f"  turn {turn.turn_id:>3} ← {str(turn.parent_turn_id):>4}  "
                         f"prompt {len(prompt):>6} (+{len(turn.prompt_added_ids)})  completion {len(completion):>5}  "
                         f"{turn.finish_reason or '-':10} {summary}"
                     )
-            if not args.json:
-                closed = f", closed ({session_file.closes[-1].reason})" if session_file.closes else ""
-                parts = len(session_file.paths)
-                name = session_file.path.name if parts == 1 else f"{session_file.path.name} and {parts - 1} more parts"
-                print(f"  {name}: {len(session_file.turns)} turns{closed}")
     except RecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -288,33 +318,76 @@ def verify_template_command(argv: list[str]) -> int:
     return 0 if usable else 1
 
 
+def replay_command(argv: list[str]) -> int:
+    usage = "usage: python -m tito_addon replay RECORD_DIR [mitmdump args]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if not argv or argv[0].startswith("-"):
+        print(usage, file=sys.stderr)
+        return 2
+    rest = argv[1:]
+    mode = [] if any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in rest) else ["--mode", REPLAY_MODE]
+    return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[0]).resolve()}", *rest])
+
+
+def reference_backend_command(argv: list[str]) -> int:
+    from tito_addon.replicas.sglang_replica import main as reference_main
+
+    return reference_main(argv)
+
+
+def demo_command(argv: list[str]) -> int:
+    from tito_addon.tools.demo_run import main as demo_main
+
+    return demo_main(argv)
+
+
+# name -> (one line for `--help`, the command)
+SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "show": ("print recorded turns: a record dir, one record file, or --session ID", show),
+    "export": ("one row per branch for trainers: generic, verl or slime layout, parquet or jsonl", export_command),
+    "replay": ("serve a recording again with no backend: mitmdump answering from RECORD_DIR", replay_command),
+    "redrive": ("score every recorded completion under a live backend: the logprob gap per turn", redrive_command),
+    "audit": ("compare each branch with a stock re-render and classify every drift (JSON, HTML)", audit_command),
+    "reference-backend": (
+        "the built-in sglang-protocol backend: a real tokenizer and a scripted model",
+        reference_backend_command,
+    ),
+    "demo": ("a capture end to end against the reference backend, checked and printed", demo_command),
+    "verify-template": ("is a chat template append-only, and which model family to use", verify_template_command),
+}
+MITMDUMP_HELP = "--mitmdump-help"
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [
+        "usage: python -m tito_addon SUBCOMMAND [ARGS]   (SUBCOMMAND --help for its own)",
+        "       python -m tito_addon [mitmdump options]  (the proxy: mitmdump with the addon loaded)",
+        "",
+        "subcommands:",
+        *(f"  {name:{width}}  {summary}" for name, (summary, _) in SUBCOMMANDS.items()),
+        "",
+        "the proxy:",
+        f"  {MITMDUMP_HELP:{width}}  mitmdump's own help: every mitmdump flag works here",
+        f"  {'--options':{width}}  every option with its default, the addon's tito_* options included",
+        f"  {'--set K=V':{width}}  set an option, e.g. --set tito_tokenizer=PATH --set tito_backend_kind=vllm",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "show":
-        return show(argv[1:])
-    if argv and argv[0] == "replay":
-        if len(argv) < 2 or argv[1].startswith("-"):
-            print("usage: python -m tito_addon replay RECORD_DIR [mitmdump args]", file=sys.stderr)
-            return 2
-        rest = argv[2:]
-        mode = (
-            [] if any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in rest) else ["--mode", REPLAY_MODE]
-        )
-        return run_mitmdump([*mode, "--set", f"tito_replay_dir={Path(argv[1]).resolve()}", *rest])
-    if argv and argv[0] == "audit":
-        return audit_command(argv[1:])
-    if argv and argv[0] == "verify-template":
-        return verify_template_command(argv[1:])
-    if argv and argv[0] == "redrive":
-        return redrive_command(argv[1:])
-    if argv and argv[0] == "export":
-        return export_command(argv[1:])
-    if argv and argv[0] == "reference-backend":
-        from tito_addon.replicas.sglang_replica import main as reference_main
-
-        return reference_main(argv[1:])
-    if argv and argv[0] == "demo":
-        from tito_addon.tools.demo_run import main as demo_main
-
-        return demo_main(argv[1:])
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv and argv[0] == MITMDUMP_HELP:
+        try:
+            run_mitmdump(["--help"])
+        except SystemExit:  # mitmproxy exits 1 after printing its help; asked for, the help is a success
+            pass
+        return 0
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]][1](argv[1:])
     return run_mitmdump(argv)
