@@ -43,7 +43,10 @@ def test_a_recorded_twenty_turn_session_replays_with_no_backend(recorded, tmp_pa
     record_dir, messages, replies = recorded
     with replay_proxy(record_dir, tmp_path) as proxy:
         again_messages, again = run_agent(agent(proxy), 20, stream=stream)
-        assert "replaying 20 recorded turns" in proxy.output()
+        assert "replaying 20 recorded turns of 1 session from" in proxy.output()
+        assert "no backend is contacted" in proxy.output() and "reverse proxy to http://tito-replay.invalid:1" in (
+            proxy.output()
+        )
     assert [summary(r) for r in again] == replies, "every turn is reproduced"
     assert again_messages == messages
 

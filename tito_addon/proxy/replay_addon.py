@@ -47,7 +47,21 @@ class TitoReplay:
         except (RecordError, OSError, ValueError) as exc:
             raise exceptions.OptionsError(f"cannot replay {directory}: {exc}") from exc
         self.service = ReplayService(self.index)
-        logger.info("tito: replaying %d recorded turns from %s", self.index.turns, directory)
+
+    def running(self) -> None:
+        # Said once both options are final: mitmproxy's own line names only the placeholder reverse target.
+        if self.index is None:
+            return
+        miss = (
+            "served live by the backend and recorded"
+            if ctx.options.tito_replay_fallback == "live"
+            else "a 404 naming the closest recorded turn; no backend is contacted"
+        )
+        sessions = f"{self.index.sessions} session" + ("" if self.index.sessions == 1 else "s")
+        logger.info(
+            "tito: replaying %d recorded turns of %s from %s; a request with no recorded match: %s",
+            self.index.turns, sessions, ctx.options.tito_replay_dir, miss,
+        )  # fmt: skip
 
     def request(self, flow: http.HTTPFlow) -> None:
         if self.index is None or flow.response is not None or not flow.live:

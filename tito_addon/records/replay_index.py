@@ -47,6 +47,7 @@ class ReplayIndex:
         self.store = SessionStore()
         self.records: dict[int, TurnRecord] = {}  # id(node) -> record
         self.turns = 0
+        self.sessions = 0
 
     @classmethod
     def load(cls, record_dir: Path) -> ReplayIndex:
@@ -58,6 +59,7 @@ class ReplayIndex:
             for turn_id, node in nodes.items():
                 index.records[id(node)] = by_id[turn_id]
             index.turns += len(nodes)
+            index.sessions += 1
         return index
 
     def answer(self, messages: list[ChatMessage]) -> TurnRecord | ReplayMiss:

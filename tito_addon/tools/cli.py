@@ -30,8 +30,9 @@ from tito_addon.records.record_reader import (
     session_parts,
 )
 
-# Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy).
-REPLAY_MODE = "reverse:http://127.0.0.1:1"
+# Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy). It is
+# named for what it is in mitmproxy's own listening line, on a name that never resolves (RFC 2606).
+REPLAY_MODE = "reverse:http://tito-replay.invalid:1"
 
 
 def run_mitmdump(args: list[str]) -> int:
