@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client as http_client
 import json
 import math
@@ -594,42 +595,80 @@ def test_openai_sdk_roundtrip(replica: ReplicaThread, tok: Any) -> None:
     assert "Turn 1" in text
 
 
-def test_cli_serves_and_exits_on_sigterm(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def served(tmp_path: Path, argv: list[str]) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """The reference backend as a process on a free port: (process, port)."""
     port_file = tmp_path / "port"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tito_addon.replicas.sglang_replica",
-            "--tokenizer",
-            str(TOKENIZER_DIR),
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+        [sys.executable, "-m", *argv, "--tokenizer", str(TOKENIZER_DIR), "--port", "0", "--port-file", str(port_file)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while not port_file.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert port_file.exists(), proc.stderr.read() if proc.poll() is not None else "no port file"
-        port = int(port_file.read_text())
+        yield proc, int(port_file.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serves_and_exits_on_sigterm(tmp_path: Path) -> None:
+    with served(tmp_path, ["tito_addon.replicas.sglang_replica"]) as (proc, port):
         assert http(f"http://127.0.0.1:{port}/health")[:2] == (200, {"status": "ok"})
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=15)
         assert proc.returncode == 0
         assert f"reference backend listening on http://127.0.0.1:{port}" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+def test_cli_flags_script_an_agents_own_tool_for_n_rounds_then_an_answer(tmp_path: Path) -> None:
+    """`reference-backend --call-tool NAME=JSON --tool-rounds N`: what a CLI capture needs (its shell tool, called
+    with fixed arguments N times per prompt, then an answer), from the command line alone."""
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+        for name in ("Read", "Bash")
+    ]
+    command = {"command": "echo tito-ok", "description": "Print a marker"}
+    script = ["--call-tool", "Missing={}", "--call-tool", f"Bash={json.dumps(command)}", "--tool-rounds", "2"]
+    argv = ["tito_addon", "reference-backend", *script]
+    with served(tmp_path, argv) as (_, port):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Run it."}]
+        for round_ in range(3):
+            status, reply, raw = http(
+                f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "m", "messages": messages, "tools": tools}
+            )
+            assert status == 200, raw[:500]
+            message = reply["choices"][0]["message"]
+            if round_ < 2:
+                calls = message["tool_calls"]
+                assert calls and {c["function"]["name"] for c in calls} == {"Bash"}, message
+                assert all(json.loads(c["function"]["arguments"]) == command for c in calls)
+                assert reply["choices"][0]["finish_reason"] == "tool_calls"
+                messages.append({"role": "assistant", "content": message["content"], "tool_calls": calls})
+                messages += [{"role": "tool", "tool_call_id": c["id"], "content": "tito-ok"} for c in calls]
+                messages.append({"role": "system", "content": "context an agent adds after the results"})
+            else:
+                assert not message.get("tool_calls") and message["content"], message
+                assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--call-tool", "Bash"], "expected NAME=JSON"),
+        (["--call-tool", "Bash=[1]"], "expected NAME=JSON"),
+        (["--call-tool", "Bash={nope"], "the arguments are not JSON"),
+        (["--tool-rounds", "-1"], "--tool-rounds must be 0 or more"),
+    ],
+)
+def test_cli_refuses_bad_script_flags(flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--tokenizer", str(TOKENIZER_DIR), *flags])
+    assert exited.value.code == 2 and error in capsys.readouterr().err
 
 
 def test_main_rejects_missing_tokenizer_arg() -> None:

@@ -1421,10 +1421,12 @@ async def _serve(config: ReplicaConfig, host: str, port: int, port_file: str | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tito_addon.replicas.sglang_replica --tokenizer DIR [--port N] ...``"""
+    """``python -m tito_addon reference-backend --tokenizer DIR [--port N] ...``"""
     ap = argparse.ArgumentParser(
-        prog="tito_addon.replicas.sglang_replica",
+        prog="python -m tito_addon reference-backend",
         description="sglang-compatible reference backend (scripted model over a real HF tokenizer).",
+        epilog="A CLI agent's own tools, e.g. Claude Code's shell for 3 rounds per prompt, then an answer: "
+        """--call-tool 'Bash={"command": "ls"}' --tool-rounds 3 (Codex: exec_command={"cmd": "ls"}).""",
     )
     ap.add_argument("--tokenizer", required=True, help="HF tokenizer directory or hub name")
     ap.add_argument("--host", default="127.0.0.1")
@@ -1434,13 +1436,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--old-sglang", action="store_true", help="emulate sglang < 0.5.13 (ignores input_ids etc.)")
     ap.add_argument("--canonical", action="store_true", help="do not emit non-canonical token splits")
     ap.add_argument("--no-prefix-cache", action="store_true", help="always report cached_tokens 0")
+    ap.add_argument(
+        "--call-tool",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="on a call turn, call tool NAME with these arguments (a JSON object) when the request offers it; "
+        "repeatable, the first one offered wins (default: the request's first tool, arguments made up from its "
+        "schema)",
+    )
+    ap.add_argument(
+        "--tool-rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="call a tool while fewer than N assistant turns follow the last user message, whatever comes last "
+        "(an agent's context messages included), then answer (default: call when the user spoke last)",
+    )
     args = ap.parse_args(argv)
+    preferred: dict[str, dict[str, Any]] = {}
+    for spec in args.call_tool:
+        name, separator, arguments = spec.partition("=")
+        try:
+            parsed = json.loads(arguments) if separator else None
+        except ValueError as exc:
+            ap.error(f"--call-tool {spec!r}: the arguments are not JSON: {exc}")
+        if not name or not isinstance(parsed, dict):
+            ap.error(f"--call-tool {spec!r}: expected NAME=JSON, the JSON an object")
+        preferred.setdefault(name, parsed)
+    if args.tool_rounds is not None and args.tool_rounds < 0:
+        ap.error("--tool-rounds must be 0 or more")
     config = ReplicaConfig(
         tokenizer=args.tokenizer,
         honor_input_ids=not args.old_sglang,
         latency_s=args.latency,
         noncanonical=not args.canonical,
         prefix_cache=not args.no_prefix_cache,
+        preferred_tools=preferred,
+        tool_rounds=args.tool_rounds,
     )
     try:
         asyncio.run(_serve(config, args.host, args.port, args.port_file))
