@@ -160,6 +160,21 @@ def test_responses_identity_ignores_client_ids_and_argument_spelling() -> None:
     assert one == two
 
 
+def test_an_unknown_item_or_block_type_is_named_not_the_first_member_of_a_union() -> None:
+    """`input` is a string or a list of items: the refusal names the item that is wrong, never `input.str`."""
+    item = {"type": "some_new_item", "tools": []}
+    with pytest.raises(BadRequest, match=r"at input\.1: Input tag 'some_new_item' found using 'type'") as refused:
+        responses({"model": "m", "input": [{"role": "user", "content": "x"}, item]})
+    assert "str" not in refused.value.message.split(":")[0]
+    with pytest.raises(BadRequest, match=r"at input\.0\.function_call\.arguments: Field required"):
+        responses({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f"}]})
+    blocks = [{"type": "text", "text": "hi"}, {"type": "some_new_block"}]
+    with pytest.raises(BadRequest, match=r"at messages\.0\.content\.1: Input tag 'some_new_block'"):
+        AnthropicMessagesApi(SIGNER).parse(
+            json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": blocks}]}).encode()
+        )
+
+
 def test_responses_refusals() -> None:
     with pytest.raises(BadRequest):
         responses({"model": "m", "input": "x", "tools": [{"type": "function"}]})

@@ -77,14 +77,25 @@ def read_json_object(body: bytes) -> tuple[dict[str, Any], bool]:
     return _parse_strict(body), False
 
 
+def _is_branch_label(part: Any) -> bool:
+    """A union member's name in an error's location (`str`, `list[tagged-union[…]]`), not a field or an index."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none"))
+
+
+def most_specific(errors: list[Any]) -> Any:
+    """The error deepest in the request: of a union (`input` is a string or a list of items), the first error is
+    the first member's (`input: a valid string`), while the one that names the wrong item is the deepest."""
+    return max(errors, key=lambda error: sum(not _is_branch_label(p) for p in error.get("loc", ())))
+
+
 def validated[M: BaseModel](model: type[M], obj: dict[str, Any], what: str, *, bounded: bool = False) -> M:
     """`obj` as `model`, or a BadRequest naming the first field that is wrong. `bounded`: `obj` was built from a
     request whose JSON bounds were checked already, so they are not walked again."""
     try:
         return model.model_validate(obj, context={"bounded": True} if bounded else None)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-        raise BadRequest(f"invalid {what} at {where}: {first.get('msg')}") from exc
+        error = most_specific(exc.errors())
+        where = ".".join(str(p) for p in error.get("loc", ()) if not _is_branch_label(p)) or "body"
+        raise BadRequest(f"invalid {what} at {where}: {error.get('msg')}") from exc
     except RecursionError as exc:
         raise BadRequest("request body is nested too deeply") from exc
