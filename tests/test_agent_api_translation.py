@@ -175,6 +175,24 @@ def test_an_unknown_item_or_block_type_is_named_not_the_first_member_of_a_union(
         )
 
 
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [{"type": "namespace",
+         "name": "functions", "tools": [{"type": "custom", "name": "exec", "format": {"type": "grammar"}}]}]},
+        {"type": "custom_tool_call", "id": "ctc_1", "status": "completed", "call_id": "c", "name": "apply_patch",
+         "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c", "output": "Success."},
+    ],
+)  # fmt: skip
+def test_codex_items_without_a_chat_form_name_the_item_and_the_codex_setting(item: dict) -> None:
+    with pytest.raises(BadRequest) as refused:
+        responses({"model": "gpt-5.6", "input": [{"role": "user", "content": "x"}, item]})
+    message = refused.value.message
+    assert message.startswith(f"invalid responses request at input.1: {item['type']!r} items are not supported")
+    assert "codex exec -m qwen3" in message and "Nothing was forwarded" in message
+
+
 def test_responses_refusals() -> None:
     with pytest.raises(BadRequest):
         responses({"model": "m", "input": "x", "tools": [{"type": "function"}]})

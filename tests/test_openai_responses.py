@@ -230,6 +230,11 @@ def test_bad_requests_are_openai_errors_and_change_nothing(proxy, replica) -> No
         assert reply.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         client(proxy).responses.create(model="qwen3", input=[{"type": "mystery"}])
+    # What Codex sends for its own models (Responses Lite): refused with the item and the setting that avoids it.
+    lite = {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [{"type": "namespace",
+            "name": "functions", "tools": [{"type": "custom", "name": "exec"}]}]}  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match=r"input\.0: 'additional_tools' items are not supported"):
+        client(proxy).responses.create(model="gpt-5.6", input=[lite, {"role": "user", "content": "hi"}])
     assert replica.received() == [] and not list(proxy.record_dir.glob("*.jsonl"))
 
 

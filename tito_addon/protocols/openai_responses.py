@@ -236,6 +236,35 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise BadRequest(f"unsupported text.format type {form.get('type')!r}")
 
 
+# Items Codex sends that have no chat form here: what each is, and how to run Codex without it (Codex 0.171: a model
+# name its catalog does not know, such as `-m qwen3` or `-m gpt-oss-20b`, gets ordinary function tools only).
+CODEX_WITHOUT_THEM = (
+    "run Codex with your server's model name (`codex exec -m qwen3 …`, or `-m gpt-oss-20b`) instead of one of its own "
+    "models: it then sends ordinary function tools, which are recorded token for token"
+)
+UNSUPPORTED_ITEMS = {
+    "additional_tools": "Codex's Responses Lite tool list (a namespace of its code-mode tools, among them the "
+    "freeform JavaScript `exec`), sent for the models its catalog runs in that mode, its default models among them",
+    "custom_tool_call": "a call of a freeform `custom` tool (Codex's `apply_patch` or code-mode `exec`), which this "
+    "proxy never offers to the model (custom tools are left out of the prompt)",
+    "custom_tool_call_output": "the result of a freeform `custom` tool call (Codex's `apply_patch` or code-mode "
+    "`exec`), which this proxy never offers to the model (custom tools are left out of the prompt)",
+}
+
+
+def unsupported_item(raw: dict[str, Any]) -> BadRequest | None:
+    """A refusal that names the first item of a kind with no chat form here and the Codex setting that avoids it."""
+    items = raw.get("input")
+    for position, item in enumerate(items if isinstance(items, list) else []):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind in UNSUPPORTED_ITEMS:
+            return BadRequest(
+                f"invalid responses request at input.{position}: {kind!r} items are not supported: it is "
+                f"{UNSUPPORTED_ITEMS[kind]}; {CODEX_WITHOUT_THEM}. Nothing was forwarded."
+            )
+    return None
+
+
 class OpenAIResponsesApi(TranslatedApi):
     name = "openai_responses"
     signs = True  # mints values the agent echoes back (see turn_refs)
@@ -352,7 +381,10 @@ class OpenAIResponsesApi(TranslatedApi):
                 appended = request.input if len(items) > known else []
                 if not prior.open_run or not appended or closes_run(appended[0]):
                     return request, appended, prior
-        request = validated(ResponsesRequest, raw, "responses request")
+        try:
+            request = validated(ResponsesRequest, raw, "responses request")
+        except BadRequest as refused:
+            raise unsupported_item(raw) or refused from None
         return request, request.input if isinstance(request.input, list) else [], None
 
     @staticmethod
