@@ -633,7 +633,8 @@ def test_cli_flags_script_an_agents_own_tool_for_n_rounds_then_an_answer(tmp_pat
         for name in ("Read", "Bash")
     ]
     command = {"command": "echo tito-ok", "description": "Print a marker"}
-    script = ["--call-tool", "Missing={}", "--call-tool", f"Bash={json.dumps(command)}", "--tool-rounds", "2"]
+    script = ["--call-tool", "Missing={}", "--call-tool", f"Bash={json.dumps(command)}", "--tool-rounds", "2",
+              "--summary-answer", "We ran the marker command twice."]  # fmt: skip
     argv = ["tito_addon", "reference-backend", *script]
     with served(tmp_path, argv) as (_, port):
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Run it."}]
@@ -654,6 +655,19 @@ def test_cli_flags_script_an_agents_own_tool_for_n_rounds_then_an_answer(tmp_pat
             else:
                 assert not message.get("tool_calls") and message["content"], message
                 assert reply["choices"][0]["finish_reason"] == "stop"
+                messages.append({"role": "assistant", "content": message["content"]})
+        # A compaction (Claude Code's and Codex's instructions): a text answer holding the summary, though the
+        # prompt has had no tool round yet and tools are offered.
+        for instruction in (
+            "Respond with TEXT ONLY: an <analysis> block followed by a <summary> block.",
+            "You are performing a CONTEXT CHECKPOINT COMPACTION. Summarize the conversation.",
+        ):
+            body = {"model": "m", "messages": [*messages, {"role": "user", "content": instruction}], "tools": tools}
+            status, reply, raw = http(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+            assert status == 200, raw[:500]
+            message = reply["choices"][0]["message"]
+            assert not message.get("tool_calls") and reply["choices"][0]["finish_reason"] == "stop", message
+            assert "<summary>\nWe ran the marker command twice.\n</summary>" in message["content"]
 
 
 @pytest.mark.parametrize(

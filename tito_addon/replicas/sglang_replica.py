@@ -161,6 +161,17 @@ class ReplicaConfig(BaseModel):
     answer_sentences: int = Field(
         default=0, ge=0, description="sentences (~14 tokens each) added to every answer: long completions (benchmarks)"
     )
+    # A compaction: the agent asks for a summary of the history so far (Claude Code's instruction asks for an
+    # <analysis> then a <summary> block; Codex's begins "You are performing a CONTEXT CHECKPOINT COMPACTION").
+    summary_markers: tuple[str, ...] = Field(
+        default=("<summary>", "CONTEXT CHECKPOINT COMPACTION"),
+        description="a last user message holding one of these asks for a summary: the script answers with text "
+        "(never a tool call), whatever tool_rounds says",
+    )
+    summary_text: str = Field(
+        default="The user asked about the weather; the tools were called and their results reported.",
+        description="the summary the script answers a summary request with, inside <summary> tags",
+    )
 
 
 class _BadRequest(Exception):
@@ -399,11 +410,13 @@ def _script_turn(
     preferred_tools: dict[str, dict[str, Any]] | None = None,
     tool_rounds: int | None = None,
     answer_sentences: int = 0,
+    summary: tuple[tuple[str, ...], str] = ((), ""),
 ) -> _Script:
     """Decide the completion deterministically from the request (messages, tools, tool_choice).
 
     ``preferred_tools`` and ``tool_rounds`` are :class:`ReplicaConfig`'s steering knobs; unset, the script calls the
-    first offered tool when the last message is the user's and answers otherwise.
+    first offered tool when the last message is the user's and answers otherwise. ``summary`` (markers, text): a
+    last user message holding a marker is a summary request, answered with the text in <summary> tags.
     """
     messages: list[dict[str, Any]] = [m for m in body["messages"] if isinstance(m, dict)]
     turn = 1 + sum(1 for m in messages if m.get("role") == "assistant")
@@ -424,7 +437,9 @@ def _script_turn(
         # Claude Code sends its environment block as a system message after the prompt, so the last role says
         # nothing; count the rounds this prompt has had instead, which also ends the agent's loop after N.
         wants_tool = _rounds_since_prompt(messages) < tool_rounds
-    call_turn = bool(fns) and (forced is not None or tool_choice == "required" or wants_tool)
+    markers, summary_text = summary
+    summarising = forced is None and any(marker in last_user for marker in markers)
+    call_turn = not summarising and bool(fns) and (forced is not None or tool_choice == "required" or wants_tool)
 
     if call_turn:
         preferred = _preferred_tool(fns, preferred_tools or {}) if forced is None else None
@@ -444,6 +459,12 @@ def _script_turn(
             content = "I will look up both at once."
         names = " and ".join(dict.fromkeys(n for n, _ in calls))
         reasoning = f'The user wants an answer to "{_summary(last_user)}". I will call {names}.'
+    elif summarising:
+        calls = []
+        reasoning = "The user wants a summary of the conversation so far. I will write it."
+        content = (
+            f"<analysis>\nTurn {turn}: the conversation so far.\n</analysis>\n\n<summary>\n{summary_text}\n</summary>"
+        )
     else:
         calls = []
         if last_role == "tool":
@@ -971,6 +992,7 @@ class ReferenceBackend(ServedApp):
             preferred_tools=self.config.preferred_tools,
             tool_rounds=self.config.tool_rounds,
             answer_sentences=self.config.answer_sentences,
+            summary=(self.config.summary_markers, self.config.summary_text),
         )
         full_text, spans, fallback = _completion_text(script)
         ids, splits = self._noncanonical(full_text, spans, fallback)
@@ -1453,6 +1475,13 @@ def main(argv: list[str] | None = None) -> int:
         help="call a tool while fewer than N assistant turns follow the last user message, whatever comes last "
         "(an agent's context messages included), then answer (default: call when the user spoke last)",
     )
+    ap.add_argument(
+        "--summary-answer",
+        default=None,
+        metavar="TEXT",
+        help="the summary a compaction request gets (a last user message holding <summary> or CONTEXT CHECKPOINT "
+        "COMPACTION): a text answer with this inside <summary> tags, never a tool call",
+    )
     args = ap.parse_args(argv)
     preferred: dict[str, dict[str, Any]] = {}
     for spec in args.call_tool:
@@ -1474,6 +1503,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache=not args.no_prefix_cache,
         preferred_tools=preferred,
         tool_rounds=args.tool_rounds,
+        **({"summary_text": args.summary_answer} if args.summary_answer is not None else {}),
     )
     try:
         asyncio.run(_serve(config, args.host, args.port, args.port_file))
