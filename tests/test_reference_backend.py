@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from conftest import wait_until
 
 from tito_addon.replicas.sglang_replica import (
     FAULT_NAMES,
@@ -605,10 +606,8 @@ def served(tmp_path: Path, argv: list[str]) -> Iterator[tuple[subprocess.Popen[s
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while not port_file.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert port_file.exists(), proc.stderr.read() if proc.poll() is not None else "no port file"
+        started = wait_until(lambda: port_file.exists() or proc.poll() is not None)
+        assert started and port_file.exists(), proc.stderr.read() if proc.poll() is not None else "no port file"
         yield proc, int(port_file.read_text())
     finally:
         if proc.poll() is None:
