@@ -93,3 +93,15 @@ def test_an_agent_that_hangs_up_mid_turn_cancels_it_and_nothing_is_recorded(tmp_
         time.sleep(3.0)  # past the backend's answer: whatever the proxy would record of it is on disk by now
         assert not (record_dir / "gone.jsonl").exists(), "a turn nobody received was recorded"
         assert "Traceback" not in proxy.output()
+
+
+def test_the_proxy_starts_in_a_shell_without_pythonunbuffered(replica, tmp_path: Path, monkeypatch) -> None:
+    """A newcomer's shell has no PYTHONUNBUFFERED: `make demo`'s mitmdump must still report its port at once, not
+    hold its log in a pipe's block buffer until it exits."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    proxy = Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path)
+    try:
+        proxy.start(timeout=45)
+        assert proxy.port is not None and proxy.proc is not None and proxy.proc.poll() is None
+    finally:
+        proxy.stop()

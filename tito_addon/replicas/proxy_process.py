@@ -60,7 +60,9 @@ class Mitmdump:
             script = repo / "tito_addon" / "__init__.py"
             self.argv = [str(mitmdump), "-s", str(script), "--set", "connection_strategy=lazy", *common]
         self.argv = [*(launcher or []), *self.argv]
-        env = dict(os.environ)
+        # Its log is read line by line from a pipe, where Python would otherwise hold lines back in a block buffer:
+        # the "listening at" line would come only at exit (a shell without PYTHONUNBUFFERED, as a newcomer's is).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if via_module:
             env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
         self.env = env
