@@ -565,6 +565,11 @@ def test_control_endpoints(replica: ReplicaThread) -> None:
     assert chat(replica, {"messages": USER})[0] == 429
     status, reqs, _ = http(replica.url + "/_replica/requests")
     assert status == 200 and reqs == [{"messages": USER}]
+    assert http(replica.url + "/_replica/generated")[:2] == (200, [])  # a refused request generated nothing
+    assert chat(replica, {"messages": USER})[0] == 200
+    status, generated, _ = http(replica.url + "/_replica/generated")
+    assert status == 200 and generated == replica.generated() and len(generated) == 1
+    assert generated[0]["prompt_ids"] and generated[0]["completion_ids"]
     replica.set_faults(["http500"])
     assert http(replica.url + "/_replica/reset", {})[0] == 200
     assert replica.received() == [] and replica.backend.pending_faults() == []

@@ -758,6 +758,7 @@ class ReferenceBackend(ServedApp):
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_post("/generate", self._generate_native)
         self.app.router.add_get("/_replica/requests", self._replica_requests)
+        self.app.router.add_get("/_replica/generated", self._replica_generated)
         self.app.router.add_post("/_replica/faults", self._replica_faults)
         self.app.router.add_post("/_replica/reset", self._replica_reset)
 
@@ -827,6 +828,11 @@ class ReferenceBackend(ServedApp):
 
     async def _replica_requests(self, request: web.Request) -> web.Response:
         return _json_response(self.received_copy())
+
+    async def _replica_generated(self, request: web.Request) -> web.Response:
+        # What a separate process (a README recipe, a driver) compares its records with: the ids of each answer.
+        with self._lock:
+            return _json_response(list(self.generated))
 
     async def _replica_faults(self, request: web.Request) -> web.Response:
         try:
