@@ -10,7 +10,7 @@ WORKERS ?= auto
 PARALLEL := -n $(WORKERS) --dist loadfile
 REPORT := --durations=25
 
-.PHONY: venv demo test test-all test-e2e clean
+.PHONY: venv agent-clis demo test test-all test-e2e clean
 
 venv: $(STAMP)
 
@@ -20,6 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# The real Claude Code and Codex, pinned by tests/agent_clis/package-lock.json: installed again only when the lock is
+# newer than what npm last installed (npm ci writes node_modules/.package-lock.json).
+CLIS := tests/agent_clis
+agent-clis: $(CLIS)/node_modules/.package-lock.json
+
+$(CLIS)/node_modules/.package-lock.json: $(CLIS)/package-lock.json
+	cd $(CLIS) && npm ci --no-audit --no-fund
 
 demo: $(STAMP)
 	$(PY) -m tito_addon demo
