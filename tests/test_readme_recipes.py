@@ -1,0 +1,277 @@
+"""The README's Getting started, run as written: every block marked `<!-- recipe: NAME -->` is run by bash, word for
+word, in a scratch view of the repository (its entries linked, `recordings/` and the Codex home its own) beside the
+workspace's `shared/`, inside a fresh network namespace that holds only loopback, so the recipes' fixed ports are
+free and nothing they do can leave the machine.
+
+The blocks, in order: `install` (make venv, make agent-clis and make demo: no-ops or offline once installed, which
+the `agent_clis` fixture does outside the namespace), then `terminal` before each of the others, as the README asks
+of every terminal; `backend` and `proxy` run in the background until the end; `openai-python`, `claude-code`
+(Claude Code 2.1.332) and `codex` (Codex 0.171.0 with `-m qwen3` and `-m gpt-oss-20b`) each capture a session
+named by its API key; `look` shows, exports and audits them. Codex without `-m` (its default model) is the codex
+block's own command with `-m` taken out: it must get the 400 the README describes, and record nothing.
+
+What is checked: every block's exit status; each agent's session on disk token exact against what the backend
+process says it generated (`GET /_replica/generated`), one chain of exact ids with three tool round trips per
+prompt whose results hold what the real tool printed; the export's rows; and that the agent table's rows say what
+the recipes run. The run takes about 15 s (the full tier, alone on the machine); the table check is cheap and runs in
+`make test`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import SHARED, wait_until
+from proxy_harness import REPO
+from test_agent_clis import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
+
+from tito_addon.records.record_reader import iter_session_files
+
+README = REPO / "README.md"
+RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\n```bash\n(.*?)```", re.S)
+RECIPES = ["install", "terminal", "backend", "proxy", "openai-python", "claude-code", "codex", "look"]
+BACKEND, PROXY = 30000, 8080  # the recipes' own ports
+SESSIONS = {"weather": "chat", "claude": "anthropic_messages", "codex": "openai_responses",
+            "codex-oss": "openai_responses"}  # fmt: skip
+TOOL_ROUNDS = 3  # the backend recipe's --tool-rounds
+BLOCK_TIMEOUT_S = 240
+# Entries of the repository the scratch view does not link: what the recipes write, and what they must not see.
+OWN = {".git", "recordings", "codex-home", "rows.parquet", "build"}
+
+
+def getting_started() -> str:
+    text = README.read_text()
+    start = text.index("## Getting started")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def recipes() -> dict[str, str]:
+    found = RECIPE.findall(getting_started())
+    return dict(found)
+
+
+def agent_rows() -> dict[str, str]:
+    """The episode-naming table's rows, by agent."""
+    rows = {}
+    for line in README.read_text().splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| ") and len(cells) == 2 and cells[0][2:] in ("openai-python", "Claude Code", "Codex"):
+            rows[cells[0][2:]] = cells[1]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- running blocks
+
+
+class Scratch:
+    """The repository as a newcomer's clone looks from its root, with its own recordings, beside shared/."""
+
+    def __init__(self, root: Path, namespace: Network, bin_env: dict[str, str]) -> None:
+        self.root = root / "main"
+        self.root.mkdir(parents=True)
+        (root / "shared").symlink_to(SHARED)
+        for entry in REPO.iterdir():
+            if entry.name not in OWN:
+                (self.root / entry.name).symlink_to(entry)
+        (self.root / "recordings").mkdir()
+        self.network = namespace
+        self.env = bin_env
+        self.background: list[subprocess.Popen[str]] = []
+        self.logs: dict[str, Path] = {}
+
+    def script(self, name: str, block: str) -> list[str]:
+        prelude = "" if name == "install" else recipes()["terminal"]
+        return self.network.command(["bash", "-e", "-c", prelude + block])
+
+    def run(self, name: str, block: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.script(name, block), cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=BLOCK_TIMEOUT_S,
+        )  # fmt: skip
+
+    def start(self, name: str, block: str) -> subprocess.Popen[str]:
+        log = self.root.parent / f"{name}.log"
+        self.logs[name] = log
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                self.script(name, block), cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            )  # fmt: skip
+        self.background.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    def inside(self, action: Callable[[], Any]) -> Any:
+        """`action` run on a thread that joined the namespace, where the recipes' 127.0.0.1 is."""
+        result: list[Any] = []
+
+        def target() -> None:
+            self.network.enter_this_thread()
+            try:
+                result.append(action())
+            except Exception as error:  # the caller asserts on the outcome
+                result.append(error)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        return result[0] if result else TimeoutError(action)
+
+    def listening(self, port: int) -> bool:
+        def connect() -> bool:
+            with socket.socket() as probe:
+                probe.settimeout(1)
+                return probe.connect_ex(("127.0.0.1", port)) == 0
+
+        return self.inside(connect) is True
+
+    def get_json(self, url: str) -> Any:
+        def fetch() -> Any:
+            with urllib.request.urlopen(url, timeout=30) as reply:
+                return json.loads(reply.read())
+
+        got = self.inside(fetch)
+        assert not isinstance(got, Exception), got
+        return got
+
+    def stop(self) -> None:
+        for process in self.background:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGINT)  # mitmdump closes its sessions on the way out
+        for process in self.background:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+
+
+def ran(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+
+
+def text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content or "")
+
+
+# ---------------------------------------------------------------------------------------------- the test
+
+
+def test_readme_recipes_agree_with_the_agent_table() -> None:
+    """Cheap, and first: the table's rows name what the recipes run (the variables, the Codex config keys)."""
+    blocks, rows = recipes(), agent_rows()
+    assert list(blocks) == RECIPES, list(blocks)
+    assert sorted(rows) == ["Claude Code", "Codex", "openai-python"], rows
+    for agent, recipe, episode in (("openai-python", "openai-python", "weather"), ("Claude Code", "claude-code",
+                                   "claude"), ("Codex", "codex", "codex")):  # fmt: skip
+        reverse = rows[agent][rows[agent].index("reverse:") :]
+        spans = re.findall(r"`([^`]+)`", reverse)
+        settings = [word for span in spans for word in re.findall(r"\b[A-Z_]+=\S+|\b[a-z_]+ = \"[^\"]*\"", span)]
+        assert settings, (agent, reverse)
+        for setting in settings:
+            if "ANTHROPIC_AUTH_TOKEN" in setting:  # the row's alternative to the recipe's x-api-key
+                continue
+            assert setting.replace("ep-7", episode) in blocks[recipe], (agent, setting)
+
+
+@pytest.mark.full
+@pytest.mark.serial  # fixed ports in a namespace of its own, but the real CLIs as in test_agent_clis
+def test_getting_started_runs_as_written(network: Network, agent_clis: Path, tmp_path: Path) -> None:  # noqa: F811
+    if isinstance(network, HostLoopback):
+        pytest.skip("the recipes' fixed ports need a network namespace of their own")
+    if not (SHARED / "tokenizers" / "qwen3").is_dir() or not (REPO / ".venv" / "bin" / "activate").is_file():
+        pytest.skip("the recipes run beside ../shared/tokenizers, in the repository's .venv (make venv)")
+    blocks = recipes()
+    env = base_env(tmp_path / "home", Path("/nonexistent"))  # the recipes put the venv and the CLIs on PATH
+    scratch = Scratch(tmp_path / "ws", network, env)
+    try:
+        installed = scratch.run("install", blocks["install"])
+        assert installed.returncode == 0 and "every recorded turn is token-exact" in installed.stdout, ran(installed)
+        backend = scratch.start("backend", blocks["backend"])
+        proxy = scratch.start("proxy", blocks["proxy"])
+        for name, process, port in (("backend", backend, BACKEND), ("proxy", proxy, PROXY)):
+            up = wait_until(lambda p=port, pr=process: pr.poll() is not None or scratch.listening(p), timeout=90)
+            assert up and process.poll() is None, (name, scratch.log(name)[-4000:])
+
+        runs = {name: scratch.run(name, blocks[name]) for name in ("openai-python", "claude-code", "codex")}
+        for name, result in runs.items():
+            assert result.returncode == 0, (name, ran(result), scratch.log("proxy")[-4000:])
+
+        # Codex with its own default model: the codex recipe's first command without `-m`.
+        config, _, commands = blocks["codex"].partition("EOF\nLOCAL_KEY=")
+        first = "LOCAL_KEY=" + commands.splitlines()[0]
+        assert " -m qwen3 " in first, first
+        default = first.replace(" -m qwen3 ", " ").replace("sk-tito-codex ", "sk-tito-codex-default ")
+        refused = scratch.run("codex", config + "EOF\n" + default)
+        shown = refused.stdout + refused.stderr
+        assert refused.returncode != 0, ran(refused)
+        assert "'additional_tools' items are not supported" in shown and "-m qwen3" in shown, ran(refused)
+
+        generated = scratch.get_json(f"http://127.0.0.1:{BACKEND}/_replica/generated")
+        looked = scratch.run("look", blocks["look"])
+        assert looked.returncode == 0, ran(looked)
+    finally:
+        scratch.stop()
+
+    proxy_log = scratch.log("proxy")
+    assert not re.findall(r"<< 5\d\d\b.*", proxy_log), proxy_log[-6000:]
+    # The refused request is the log's only 4xx: no agent had a request refused and retried out of sight.
+    assert len(re.findall(r"<< 4\d\d\b", proxy_log)) == 1, re.findall(r"<< 4\d\d\b.*", proxy_log)
+
+    record_dir = scratch.root / "recordings"
+    files = {f.turns[0].session_id: f for f in iter_session_files(record_dir) if f.turns}
+    assert SESSIONS.keys() <= files.keys() and "codex-default" not in files, sorted(files)
+    by_prompt = {tuple(g["prompt_ids"]): g["completion_ids"] for g in generated}
+    recorded = 0
+    for session_id, api in SESSIONS.items():
+        session = files[session_id]
+        ids = session.full_ids()
+        turns = session.turns
+        assert {t.api for t in turns} == {api}, (session_id, {t.api for t in turns})
+        # One chain: each turn continues the one before it, and its prompt starts with that turn's exact ids.
+        assert [t.parent_turn_id for t in turns] == [None, *[t.turn_id for t in turns[:-1]]], session_id
+        for before, after in zip(turns, turns[1:], strict=False):
+            end = ids[before.turn_id][0] + ids[before.turn_id][1]
+            assert ids[after.turn_id][0][: len(end)] == end, (session_id, after.turn_id)
+        for turn in turns:
+            prompt, completion = ids[turn.turn_id]
+            assert by_prompt.get(tuple(prompt)) == completion, (session_id, turn.turn_id)  # what the backend made
+        # Three tool round trips, then the answer; every result is what the real tool (or the agent's) returned.
+        assert [t.finish_reason for t in turns] == ["tool_calls"] * TOOL_ROUNDS + ["stop"], session_id
+        for call, result in zip(turns, turns[1:], strict=False):
+            calls = call.assistant_message.get("tool_calls") or []
+            results = [m for m in result.appended_messages or [] if m.get("role") == "tool"]
+            if call.finish_reason == "tool_calls":
+                assert sorted(m["tool_call_id"] for m in results) == sorted(c["id"] for c in calls), session_id
+                assert all(text_of(m.get("content")).strip() for m in results), (session_id, results)
+        recorded += len(turns)
+    assert recorded == len(generated)  # nothing else reached the backend, nothing was recorded twice
+
+    # `ls` in the repository root: the CLIs' tool results list what is there.
+    for session_id in ("claude", "codex", "codex-oss"):
+        results = [m for t in files[session_id].turns for m in t.appended_messages or [] if m.get("role") == "tool"]
+        assert results and all("README.md" in text_of(m.get("content")) for m in results), (session_id, results)
+
+    rows = pq.read_table(scratch.root / "rows.parquet").to_pylist()
+    assert sorted(r["session_id"] for r in rows) == sorted(SESSIONS), [r["session_id"] for r in rows]
+    for row in rows:
+        session = files[row["session_id"]]
+        prompt, completion = session.full_ids()[session.turns[-1].turn_id]
+        assert row["input_ids"] == prompt + completion
+    assert "claude" in looked.stdout and "drift" in looked.stdout.lower(), looked.stdout[-3000:]
