@@ -21,16 +21,11 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from tito_addon.backends.upstream_headers import NOT_FORWARDED
+
 MAX_HEAD_BYTES = 64 * 1024
 MAX_ORIGINS = 1024
 NO_BODY_STATUSES = frozenset({204, 304})
-
-# Hop-by-hop and framing headers belong to the agent's own request, not to ours: a stale content-length
-# desynchronises the backend's keep-alive connection, and `expect` would stall for a 100 Continue.
-_NOT_FORWARDED = frozenset({
-    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "accept-encoding",
-    "te", "trailer", "upgrade", "expect", "proxy-connection", "proxy-authorization", "proxy-authenticate",
-})  # fmt: skip
 
 _LENGTH, _CHUNKED, _TO_CLOSE, _EMPTY = range(4)
 
@@ -77,12 +72,12 @@ class Origin:
 def request_head(
     method: str, origin: Origin, headers: Mapping[str, str], length: int | None, ours: Mapping[str, str]
 ) -> bytes:
-    """The request's head: the agent's headers less those that belong to its own connection (`_NOT_FORWARDED`) and
+    """The request's head: the agent's headers less those that belong to its own connection (`NOT_FORWARDED`) and
     those the caller or the URL sets (`ours`, `origin.headers`, lower-case names), which replace them."""
     own = {**ours, **origin.headers} if origin.headers else ours
     lines = [f"{method} {origin.target} HTTP/1.1\r\nhost: {origin.host_header}\r\n"]
     for name, value in (*((n, v) for n, v in headers.items() if n.lower() not in own), *own.items()):
-        if name.lower() in _NOT_FORWARDED:
+        if name.lower() in NOT_FORWARDED:
             continue
         if "\n" in name or "\r" in name or "\n" in value or "\r" in value or ":" in name:
             raise HttpError(f"header {name[:60]!r} cannot be sent: it holds a line break or a colon")

@@ -13,7 +13,6 @@ the proxy does for that turn.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from tito_addon.backends.backend_protocol import (
     weight_version_of,
 )
 from tito_addon.backends.parser_inputs import sglang_messages
+from tito_addon.backends.server_versions import ServerVersions
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
 from tito_addon.canonical_chat import ChatRequest
@@ -64,25 +64,15 @@ class SglangBackend:
         self.verify_echo = verify_echo
         # Send only the messages sglang reads when given input_ids (`parser_inputs`), for the known families.
         self.compact_requests = compact_requests
-        self._versions: dict[str, tuple[int, ...] | None] = {}
-        self._asking: dict[str, asyncio.Future[tuple[int, ...] | None]] = {}
+        # None where neither server-info route said a version: kept, so the echo is then verified every turn.
+        self.versions = ServerVersions(self._ask_version)
         self._echo_verified: set[str] = set()
 
     def check_request(self, request: ChatRequest) -> None:
         """sglang serves any valid chat request."""
 
-    async def version(self, base_url: str, headers: dict[str, str]) -> tuple[int, ...] | None:
-        """The server's version from its server-info route, asked once per backend: the many first requests of
-        a fresh proxy share one question instead of each asking."""
-        if base_url in self._versions:
-            return self._versions[base_url]
-        asking = self._asking.get(base_url)
-        if asking is None:
-            asking = self._asking[base_url] = asyncio.ensure_future(self._ask_version(base_url, headers))
-            asking.add_done_callback(lambda _: self._asking.pop(base_url, None))
-        return await asyncio.shield(asking)  # one waiter cancelled (its agent hung up) leaves the others theirs
-
     async def _ask_version(self, base_url: str, headers: dict[str, str]) -> tuple[int, ...] | None:
+        """The server's version from its server-info route, under either of its names."""
         found: tuple[int, ...] | None = None
         for route in ("/server_info", "/get_server_info"):
             try:
@@ -92,13 +82,12 @@ class SglangBackend:
                     break
             except (TitoError, ValueError, AttributeError):
                 continue
-        self._versions[base_url] = found
         logger.info("tito: %s speaks sglang %s", base_url, ".".join(map(str, found)) if found else "(unknown)")
         return found
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # Streamed output ids exist only in the sglext block (0.5.20+); before that a turn is re-framed.
-        found = await self.version(base_url, headers)
+        found = await self.versions.get(base_url, headers)
         return found is not None and found >= STREAM_IDS_VERSION
 
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
@@ -182,7 +171,7 @@ class SglangBackend:
 
     async def must_echo(self, turn: BackendTurn) -> bool:
         """Whether this turn asks the server to echo its prompt ids (see the module docstring)."""
-        found = await self.version(turn.base_url, turn.headers)
+        found = await self.versions.get(turn.base_url, turn.headers)
         if found is not None and found < INPUT_IDS_VERSION:
             raise UpstreamMalformed(
                 f"backend reports sglang {'.'.join(map(str, found))}, which silently ignores input_ids: "

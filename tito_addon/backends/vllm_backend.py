@@ -36,6 +36,7 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
+from tito_addon.backends.server_versions import ServerVersions
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
@@ -88,7 +89,8 @@ class VllmBackend:
         self, client: UpstreamClient, *, merge_stream_chunks: bool = False, compact_requests: bool = False
     ) -> None:
         self.client = client
-        self._versions: dict[str, VllmVersion] = {}
+        # Kept also where the server did not say (then only the 0.24 wire features are used).
+        self.versions = ServerVersions(self._ask_version)
         # Derender the generate chunks that arrived during a streaming derender call as one (parsers that give
         # the same message however the output is chunked); else one call per chunk.
         self.merge_stream_chunks = merge_stream_chunks
@@ -99,10 +101,7 @@ class VllmBackend:
         if not request.model:
             raise BadRequest("model is required with the vLLM backend (derender needs it to name the served model)")
 
-    async def version(self, base_url: str, headers: dict[str, str]) -> VllmVersion:
-        known = self._versions.get(base_url)
-        if known is not None:
-            return known
+    async def _ask_version(self, base_url: str, headers: dict[str, str]) -> VllmVersion:
         try:
             response = await self.client.get(base_url + "/version", headers)
             text = response.json().get("version") if response.status == 200 else None
@@ -113,7 +112,6 @@ class VllmBackend:
             logger.warning("tito: %s did not say its vLLM version; using only the 0.24 wire features", base_url)
         else:
             logger.info("tito: %s speaks vLLM %s", base_url, version.text)
-        self._versions[base_url] = version
         return version
 
     @staticmethod
@@ -148,7 +146,7 @@ class VllmBackend:
         return parsed, response.body
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult:
-        version = await self.version(turn.base_url, turn.headers)
+        version = await self.versions.get(turn.base_url, turn.headers)
         chat = self.chat_request(turn)
         generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
         skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
@@ -180,12 +178,12 @@ class VllmBackend:
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # 0.31 added streaming derender with the tool and reasoning parsers.
-        return (await self.version(base_url, headers)).at_least(0, 31)
+        return (await self.versions.get(base_url, headers)).at_least(0, 31)
 
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
         """Streaming generate on our ids; each generate chunk goes through streaming derender (parsers
         included) and on to the agent. Ids and logprobs come from generate, exactly as in a whole turn."""
-        version = await self.version(turn.base_url, turn.headers)
+        version = await self.versions.get(turn.base_url, turn.headers)
         chat = self.chat_request(turn)
         rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
         skew = render_skew(rendered.get("token_ids"), turn.prompt_ids)

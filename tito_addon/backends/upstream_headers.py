@@ -1,0 +1,39 @@
+"""Which of an agent's request headers go upstream with the backend call.
+
+Hop-by-hop and framing headers belong to the agent's own request, not to ours: a stale content-length
+desynchronises the backend's keep-alive connection, and `expect` would stall for a 100 Continue. The backend
+call writes its own host, framing and accept-encoding (`backend_connections.request_head`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Lower-case names. The turn leaves them out of the headers it hands a backend (`forwarded_headers`), and every
+# request head leaves them out again, whoever the caller.
+NOT_FORWARDED = frozenset(
+    {
+        # hop-by-hop: the agent's connection to the proxy
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        # the host and the body's framing and encoding: the backend call's own (its body is not the agent's)
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "content-encoding",
+        "accept-encoding",
+    }
+)
+
+
+def forwarded_headers(headers: Mapping[str, str], own: str) -> dict[str, str]:
+    """The agent's headers (lower-case names) that go upstream: all but `NOT_FORWARDED` and `own`, the proxy's
+    own header (the session id's)."""
+    return {k: v for k, v in headers.items() if k not in NOT_FORWARDED and k != own}
