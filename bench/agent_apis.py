@@ -27,6 +27,7 @@ from typing import Any
 SYSTEM = "You are a coding agent. " * 800
 THINKING = "I should list the files first. " * 10
 RESULT = "drwxr-xr-x  2 root root 4096 Nov 30 12:00 src\n" * 40
+# An older checkout's memos: module globals (each API now holds its own, `api.memos`).
 MEMOS = (
     ("tito_addon.protocols.openai_chat", "KNOWN_MESSAGES"),
     ("tito_addon.protocols.openai_chat", "KNOWN_REQUESTS"),
@@ -72,8 +73,14 @@ def responses(turns: int) -> bytes:
     return compact({"model": "m", "input": items, "store": False, "stream": True})
 
 
-def fresh_memos() -> None:
-    """Forget what the process read before (as a new proxy would have), on whichever checkout this runs."""
+def fresh_memos(*apis: Any) -> None:
+    """Forget what the process read before (as a new proxy would have), on whichever checkout this runs: what each
+    of `apis` remembers, or an older checkout's module memos."""
+    for api in apis:
+        for memo in getattr(api, "memos", ()):
+            budget = memo.budget_bytes
+            memo.resize(0)
+            memo.resize(budget)
     for module_name, name in MEMOS:
         module = sys.modules.get(module_name)
         memo = getattr(module, name, None)
@@ -90,7 +97,7 @@ def read_cost(api: Any, previous: bytes, body: bytes, repeats: int = 7) -> float
 
     times = []
     for _ in range(repeats):
-        fresh_memos()
+        fresh_memos(api)
         [message_key(m) for m in api.parse(previous).chat.messages]  # as the proxy did on the previous turn
         start = time.perf_counter()
         request = api.parse(body)

@@ -67,16 +67,19 @@ def breakdown(turns: int, tokenizer: str) -> dict:
     engine = TokenEngine(load_tokenizer(tokenizer, trust_remote_code=False), FAMILIES["qwen3"],
                          append_roles=("tool", "user", "system"))  # fmt: skip
     headers = {"x-session-id": "breakdown"}
+    chat = openai_chat.ChatCompletionsApi()
+    # (an older checkout reads with a module function over the module's memos)
+    parse_request = getattr(chat, "parse_request", None) or openai_chat.parse_request
 
     def read(body: bytes) -> None:
-        request, _ = openai_chat.parse_request(body)
+        request, _ = parse_request(body)
         [message_key(m) for m in request.messages]
 
     def read_after(previous: bytes, body: bytes) -> float:
         """Reading `body` as a proxy does right after the agent's previous request: what that one held is known."""
         times = []
         for _ in range(15):
-            fresh_memos()  # (each repetition would otherwise find `body` itself, as a retry)
+            fresh_memos(chat)  # (each repetition would otherwise find `body` itself, as a retry)
             read(previous)
             started = time.perf_counter()
             read(body)

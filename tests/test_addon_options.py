@@ -60,10 +60,6 @@ async def test_without_a_tokenizer_chat_turns_are_refused_not_forwarded(caplog) 
 
 
 def test_the_memos_and_the_collector_follow_their_options(monkeypatch) -> None:
-    from tito_addon.protocols.anthropic_translation import KNOWN_ANTHROPIC_REQUESTS
-    from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
-    from tito_addon.protocols.openai_responses import KNOWN_RESPONSES_REQUESTS
-
     before = gc.get_threshold()
     monkeypatch.setattr(gc, "set_threshold", lambda *values: seen.append(values))
     monkeypatch.setattr(gc, "freeze", lambda: seen.append(("freeze",)))
@@ -71,12 +67,13 @@ def test_the_memos_and_the_collector_follow_their_options(monkeypatch) -> None:
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon, tito_message_memo_mb=3, tito_gc_threshold=12345)
-        memos = (KNOWN_MESSAGES, KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS)
+        memos = [memo for api in addon.service.apis for memo in api.memos]  # each API's own
         assert {memo.budget_bytes for memo in memos} == {3 * 1024 * 1024}
         assert seen[-2:] == [(12345, *before[1:]), ("freeze",)], "the configured process is frozen out of its walks"
         seen.clear()
         configured(tctx, addon, tito_message_memo_mb=128, tito_gc_threshold=0)
         assert seen == [], "0 leaves the collector as it is"
+        memos = [memo for api in addon.service.apis for memo in api.memos]
         assert {memo.budget_bytes for memo in memos} == {128 * 1024 * 1024}
 
 

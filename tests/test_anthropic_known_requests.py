@@ -1,7 +1,7 @@
 """An Anthropic Messages request that extends one read before translates only its appended messages
-(protocols/anthropic_translation.py): it reads exactly as the whole request does, the same canonical messages and
-chat body, the same native items, the same notes on what was left out (thinking signatures that are not ours
-included), the same refusal with the same words."""
+(protocols/translated_api.py, each message's `ItemTranslation`): it reads exactly as the whole request does, the
+same canonical messages and chat body, the same native items, the same notes on what was left out (thinking
+signatures that are not ours included), the same refusal with the same words."""
 
 from __future__ import annotations
 
@@ -68,14 +68,14 @@ def read(data: bytes) -> tuple | str:
 
 def read_whole(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple | str:
     with monkeypatch.context() as patch:
-        patch.setattr(anthropic_messages, "KNOWN_ANTHROPIC_REQUESTS", KnownRequests(0))
+        patch.setattr(API, "known_requests", KnownRequests(0))
         return read(data)
 
 
 @pytest.fixture
 def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
     requests = KnownRequests(64 * 1024 * 1024, min_prefix=0)
-    monkeypatch.setattr(anthropic_messages, "KNOWN_ANTHROPIC_REQUESTS", requests)
+    monkeypatch.setattr(API, "known_requests", requests)
     return requests
 
 
@@ -133,16 +133,16 @@ def test_whatever_is_appended_reads_as_the_whole_request(appended: list[str], ta
     prior = session(3)[-1]
     end = prior.index(b'],"system"')
     data = prior[:end] + "".join("," + item for item in appended).encode() + tail.encode()
-    original = anthropic_messages.KNOWN_ANTHROPIC_REQUESTS
+    original = API.known_requests
     try:
-        anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = requests = KnownRequests(1 << 24, min_prefix=0)
+        API.known_requests = requests = KnownRequests(1 << 24, min_prefix=0)
         API.parse(prior)
         with_memo = read(data)
         assert requests.hits <= 1
-        anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = KnownRequests(0)
+        API.known_requests = KnownRequests(0)
         assert with_memo == read(data), data[end - 20 :]
     finally:
-        anthropic_messages.KNOWN_ANTHROPIC_REQUESTS = original
+        API.known_requests = original
 
 
 def with_marker(messages: list[dict]) -> list[dict]:

@@ -11,11 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tito_addon.canonical_chat import ChatMessage
-from tito_addon.protocols import openai_chat
 from tito_addon.protocols.known_messages import KnownMessages, footprint
+from tito_addon.protocols.openai_chat import ChatCompletionsApi
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.tito_errors import BadRequest
 
+API = ChatCompletionsApi()
 HISTORY = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Weather in Zürich?"},
@@ -28,7 +29,7 @@ HISTORY = [
 @pytest.fixture
 def memo(monkeypatch: pytest.MonkeyPatch) -> KnownMessages:
     known = KnownMessages()
-    monkeypatch.setattr(openai_chat, "KNOWN_MESSAGES", known)
+    monkeypatch.setattr(API, "known_messages", known)
     return known
 
 
@@ -39,7 +40,7 @@ def body(messages: list, **extra) -> bytes:
 def read(data: bytes) -> tuple[object, list[bytes] | str]:
     """The request as validated and its keys, or the refusal's words."""
     try:
-        request, _ = openai_chat.parse_request(data)
+        request, _ = API.parse_request(data)
     except BadRequest as exc:
         return None, str(exc)
     return request.model_dump(), [message_key(m) for m in request.messages]
@@ -47,14 +48,14 @@ def read(data: bytes) -> tuple[object, list[bytes] | str]:
 
 def without_memo(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[bytes] | str]:
     with monkeypatch.context() as patch:
-        patch.setattr(openai_chat, "KNOWN_MESSAGES", KnownMessages(budget_bytes=0))
+        patch.setattr(API, "known_messages", KnownMessages(budget_bytes=0))
         return read(data)
 
 
 def test_a_resent_history_is_the_objects_validated_before(memo: KnownMessages) -> None:
-    first, _ = openai_chat.parse_request(body(HISTORY))
+    first, _ = API.parse_request(body(HISTORY))
     keys = [message_key(m) for m in first.messages]
-    second, _ = openai_chat.parse_request(body([*HISTORY, {"role": "user", "content": "And Oslo?"}]))
+    second, _ = API.parse_request(body([*HISTORY, {"role": "user", "content": "And Oslo?"}]))
     assert all(a is b for a, b in zip(first.messages, second.messages, strict=False)), "validated once"
     assert memo.hits == len(HISTORY) and len(memo) == len(HISTORY) + 1
     assert [message_key(m) for m in second.messages][: len(HISTORY)] == keys
@@ -76,7 +77,7 @@ def test_a_resent_history_is_the_objects_validated_before(memo: KnownMessages) -
 def test_a_request_reads_as_without_the_memo(
     changed: dict, memo: KnownMessages, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    openai_chat.parse_request(body([*HISTORY, {"role": "user", "content": "Weather in Zürich?", "x": None}]))
+    API.parse_request(body([*HISTORY, {"role": "user", "content": "Weather in Zürich?", "x": None}]))
     for data in (
         body([*HISTORY, changed]),
         body([changed, *HISTORY]),
@@ -91,7 +92,7 @@ def test_a_request_reads_as_without_the_memo(
 def test_a_known_message_inside_a_too_deep_request_is_still_refused(
     memo: KnownMessages, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    openai_chat.parse_request(body(HISTORY))
+    API.parse_request(body(HISTORY))
     deep: object = "x"
     for _ in range(120):
         deep = [deep]
@@ -105,17 +106,17 @@ def test_a_known_message_inside_a_too_deep_request_is_still_refused(
 @given(st.lists(st.sampled_from(range(len(HISTORY))), min_size=1, max_size=8), st.text(max_size=30))
 def test_any_mix_of_known_and_new_messages_validates_as_a_whole(order: list[int], text: str) -> None:
     known = KnownMessages()
-    original = openai_chat.KNOWN_MESSAGES
-    openai_chat.KNOWN_MESSAGES = known
+    original = API.known_messages
+    API.known_messages = known
     try:
-        openai_chat.parse_request(body(HISTORY))
+        API.parse_request(body(HISTORY))
         messages = [HISTORY[i] for i in order] + [{"role": "user", "content": text}]
         data = body(messages)
         with_memo = read(data)
-        openai_chat.KNOWN_MESSAGES = KnownMessages(budget_bytes=0)
+        API.known_messages = KnownMessages(budget_bytes=0)
         assert with_memo == read(data)
     finally:
-        openai_chat.KNOWN_MESSAGES = original
+        API.known_messages = original
 
 
 def test_the_memo_is_bounded_and_forgets_least_recently_used_first() -> None:

@@ -11,12 +11,15 @@ from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tito_addon.protocols import openai_chat
 from tito_addon.protocols.known_messages import KnownMessages
 from tito_addon.protocols.known_requests import MIN_PREFIX, STEP, KnownRequests
+from tito_addon.protocols.openai_chat import ChatCompletionsApi
+from tito_addon.protocols.routing import agent_apis
+from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.tito_errors import BadRequest
 
+API = ChatCompletionsApi()
 SYSTEM = {"role": "system", "content": "You are a data agent. " * 4}
 RESULT = " ".join(f"row {i}: value={i * 37 % 1000} status=ok" for i in range(40))
 
@@ -40,15 +43,15 @@ def session(agent: int, turns: int) -> list[bytes]:
 @pytest.fixture
 def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
     requests = KnownRequests(64 * 1024 * 1024, min_prefix=0)
-    monkeypatch.setattr(openai_chat, "KNOWN_REQUESTS", requests)
-    monkeypatch.setattr(openai_chat, "KNOWN_MESSAGES", KnownMessages())
+    monkeypatch.setattr(API, "known_requests", requests)
+    monkeypatch.setattr(API, "known_messages", KnownMessages())
     return requests
 
 
 def read(data: bytes) -> tuple[object, object, list[bytes] | None] | str:
     """The request as validated, the object forwarded and the keys; or the refusal's words."""
     try:
-        request, obj = openai_chat.parse_request(data)
+        request, obj = API.parse_request(data)
     except BadRequest as exc:
         return str(exc)
     return request.model_dump(), obj, [message_key(m) for m in request.messages]
@@ -56,8 +59,8 @@ def read(data: bytes) -> tuple[object, object, list[bytes] | None] | str:
 
 def read_whole(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[object, object, list[bytes] | None] | str:
     with monkeypatch.context() as patch:
-        patch.setattr(openai_chat, "KNOWN_REQUESTS", KnownRequests(0))
-        patch.setattr(openai_chat, "KNOWN_MESSAGES", KnownMessages(budget_bytes=0))
+        patch.setattr(API, "known_requests", KnownRequests(0))
+        patch.setattr(API, "known_messages", KnownMessages(budget_bytes=0))
         return read(data)
 
 
@@ -68,7 +71,7 @@ def test_each_turn_of_a_session_parses_only_what_was_appended(
     assert len(bodies[-1]) > 3 * STEP, "the last requests span several index steps"
     previous = None
     for body in bodies:
-        request, _ = openai_chat.parse_request(body)
+        request, _ = API.parse_request(body)
         if previous is not None:
             assert all(a is b for a, b in zip(previous.messages, request.messages, strict=False)), "read once"
         assert read(body) == read_whole(body, monkeypatch)
@@ -85,7 +88,7 @@ def test_many_agents_with_the_same_system_prompt_each_find_their_own_request(
     for turn in range(6):
         for agent, bodies in enumerate(sessions):
             hits = known.hits
-            request, _ = openai_chat.parse_request(bodies[turn])
+            request, _ = API.parse_request(bodies[turn])
             if turn:
                 assert known.hits == hits + 1
                 earlier = previous[agent].messages  # type: ignore[attr-defined]
@@ -96,15 +99,15 @@ def test_many_agents_with_the_same_system_prompt_each_find_their_own_request(
 
 def test_a_retry_of_the_same_request_is_a_hit_and_remembered_once(known: KnownRequests) -> None:
     body = session(0, 3)[-1]
-    first, _ = openai_chat.parse_request(body)
-    again, _ = openai_chat.parse_request(body)
+    first, _ = API.parse_request(body)
+    again, _ = API.parse_request(body)
     assert known.hits == 1 and len(known) == 3, "the request, and it up to each of its last two messages"
     assert all(a is b for a, b in zip(first.messages, again.messages, strict=True))
 
 
 def test_an_edited_history_is_parsed_whole(known: KnownRequests, monkeypatch: pytest.MonkeyPatch) -> None:
     bodies = session(0, 4)
-    openai_chat.parse_request(bodies[2])
+    API.parse_request(bodies[2])
     edited = bodies[3].replace(b"Agent 0: go", b"Agent 0: Go")
     assert read(edited) == read_whole(edited, monkeypatch)
     assert known.hits == 0
@@ -126,16 +129,16 @@ def test_whatever_follows_a_known_prefix_reads_as_the_whole_body(fragments: list
     end = prior.rindex(b"]")
     data = prior[:end] + (first + "".join(fragments)).encode()
     requests, messages = KnownRequests(1 << 20, min_prefix=0), KnownMessages()
-    original = openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES
+    original = API.known_requests, API.known_messages
     try:
-        openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = requests, messages
-        openai_chat.parse_request(prior)
+        API.known_requests, API.known_messages = requests, messages
+        API.parse_request(prior)
         assert len(requests) >= 1
         with_memo = read(data)
-        openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = KnownRequests(0), KnownMessages(budget_bytes=0)
+        API.known_requests, API.known_messages = KnownRequests(0), KnownMessages(budget_bytes=0)
         assert with_memo == read(data), data
     finally:
-        openai_chat.KNOWN_REQUESTS, openai_chat.KNOWN_MESSAGES = original
+        API.known_requests, API.known_messages = original
 
 
 @pytest.mark.parametrize(
@@ -152,7 +155,7 @@ def test_what_the_strict_parse_refuses_is_still_refused(
     after: bytes, known: KnownRequests, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prior = compact({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "Weather in Zürich?"}]})
-    openai_chat.parse_request(prior)
+    API.parse_request(prior)
     data = prior[: prior.rindex(b"]")] + after
     assert read(data) == read_whole(data, monkeypatch)
     if after.startswith(b", "):
@@ -164,31 +167,31 @@ def test_what_the_strict_parse_refuses_is_still_refused(
 def test_bounded_and_an_extended_request_is_forgotten_first(known: KnownRequests) -> None:
     bodies = session(0, 8)
     other = [body.replace(b"a data agent", b"a file agent") for body in session(1, 2)]  # no common message
-    openai_chat.parse_request(other[0])
-    openai_chat.parse_request(bodies[0])
-    openai_chat.parse_request(bodies[1])  # extends bodies[0], which goes to the cold end
+    API.parse_request(other[0])
+    API.parse_request(bodies[0])
+    API.parse_request(bodies[1])  # extends bodies[0], which goes to the cold end
     assert known.hits == 1
     entries = len(known)
     room = known.used_bytes - 1
     known.resize(room)
     assert known.used_bytes <= room and len(known) == entries - 1
-    openai_chat.parse_request(other[1])
+    API.parse_request(other[1])
     assert known.hits == 2, "the other agent's request was kept, the extended one dropped"
     for body in bodies[2:]:
-        openai_chat.parse_request(body)
+        API.parse_request(body)
         assert known.used_bytes <= room
     known.resize(64 * 1024 * 1024)
     for body in bodies[2:]:
-        openai_chat.parse_request(body)
+        API.parse_request(body)
     assert known.hits >= 2 + len(bodies[2:]) - 1, "each later request extends the one before, once remembered"
 
 
 def test_short_requests_are_parsed_whole_and_long_ones_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     requests = KnownRequests(64 * 1024 * 1024)
-    monkeypatch.setattr(openai_chat, "KNOWN_REQUESTS", requests)
+    monkeypatch.setattr(API, "known_requests", requests)
     bodies = session(0, 12)
     for body in bodies:
-        openai_chat.parse_request(body)
+        API.parse_request(body)
     long = [body for body in bodies if len(body) > MIN_PREFIX + 2 * len(RESULT)]
     assert long and len(long) < len(bodies)
     assert requests.hits >= len(long) - 1
@@ -208,3 +211,24 @@ def test_a_last_message_that_changes_on_the_next_turn_still_leaves_a_known_prefi
         marked = compact(obj)
         assert read(marked) == read_whole(marked, monkeypatch)
     assert known.hits == 7
+
+
+def test_each_api_owns_its_memos_with_a_budget_kept_warm_across_a_rebuild_with_its_signer() -> None:
+    signer = TurnSigner(b"k" * 32)
+    apis = agent_apis(signer, memo_bytes=1 << 20)
+    assert {memo.budget_bytes for api in apis for memo in api.memos} == {1 << 20}
+    assert len({id(memo) for api in apis for memo in api.memos}) == 4, "no memo is shared between APIs"
+    chat = apis[0]
+    for body in session(0, 8):
+        chat.parse(body)
+    remembered = len(chat.known_requests)
+    assert remembered and len(chat.known_messages)
+    again = agent_apis(signer, memo_bytes=2 << 20, warm=apis)
+    assert [a is b for a, b in zip(apis, again, strict=True)] == [True, True, True], "the same APIs, memos warm"
+    assert {memo.budget_bytes for api in again for memo in api.memos} == {2 << 20}
+    assert len(chat.known_requests) == remembered
+    other = agent_apis(TurnSigner(b"k" * 32), warm=apis)
+    assert other[0] is chat, "chat reads no signed value: kept whatever the signer"
+    assert all(a is not b for a, b in zip(apis[1:], other[1:], strict=True)), "what a signer opened stays its own"
+    chat.resize_memos(0)
+    assert len(chat.known_requests) == len(chat.known_messages) == 0

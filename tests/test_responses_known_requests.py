@@ -1,7 +1,7 @@
 """An OpenAI Responses request that extends one read before translates only its appended items
-(openai_responses.ItemsTranslation): it reads exactly as the whole request does, the same canonical messages and
-chat body, items, notes (sealed reasoning that is not ours included) and refusals; and an appended item that joins
-the assistant message the known items left open is translated with them, as a whole read does."""
+(openai_responses_translation.TranslatedItems): it reads exactly as the whole request does, the same canonical
+messages and chat body, items, notes (sealed reasoning that is not ours included) and refusals; and an appended
+item that joins the assistant message the known items left open is translated with them, as a whole read does."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from agent_reads import agent_read
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tito_addon.protocols import openai_responses
 from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.protocols.openai_responses import OpenAIResponsesApi
 from tito_addon.protocols.openai_responses_reply import REASONING_PURPOSE
@@ -64,14 +63,14 @@ def read(data: bytes) -> tuple | str:
 
 def read_whole(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple | str:
     with monkeypatch.context() as patch:
-        patch.setattr(openai_responses, "KNOWN_RESPONSES_REQUESTS", KnownRequests(0, member="input"))
+        patch.setattr(API, "known_requests", KnownRequests(0, member="input"))
         return read(data)
 
 
 @pytest.fixture
 def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
     requests = KnownRequests(64 * 1024 * 1024, min_prefix=0, member="input")
-    monkeypatch.setattr(openai_responses, "KNOWN_RESPONSES_REQUESTS", requests)
+    monkeypatch.setattr(API, "known_requests", requests)
     return requests
 
 
@@ -142,12 +141,12 @@ def test_whatever_is_appended_reads_as_the_whole_request(appended: list[str], ta
     prior = compact(body)
     end = prior.index(b'],"tools"')
     data = prior[:end] + "".join("," + item for item in appended).encode() + tail.encode()
-    original = openai_responses.KNOWN_RESPONSES_REQUESTS
+    original = API.known_requests
     try:
-        openai_responses.KNOWN_RESPONSES_REQUESTS = KnownRequests(1 << 24, min_prefix=0, member="input")
+        API.known_requests = KnownRequests(1 << 24, min_prefix=0, member="input")
         API.parse(prior)
         with_memo = read(data)
-        openai_responses.KNOWN_RESPONSES_REQUESTS = KnownRequests(0, member="input")
+        API.known_requests = KnownRequests(0, member="input")
         assert with_memo == read(data), data[end - 20 :]
     finally:
-        openai_responses.KNOWN_RESPONSES_REQUESTS = original
+        API.known_requests = original

@@ -3,13 +3,13 @@
 An API module translates its request into the canonical chat form (the engine, the session tree and the backends
 see nothing else) and translates the completed turn back. Streaming is one mechanism for every API: a responder
 consumes canonical `chat.completion.chunk` dicts, live from the backend or made from a finished message
-(`chunks_from_message`), so a re-framed stream and a live one are written by the same code.
+(`chunks_from_message`), so a re-framed stream and a live one are written by the same code. The APIs translated to
+chat fill in one template, `translated_api`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,10 +17,14 @@ from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatMessage, ChatRequest, json_value_problem
 from tito_addon.protocols.http_reply import HttpReply
+from tito_addon.protocols.known_messages import KnownMessages
+from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
 EVENT_STREAM_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
+# A stream made from a finished turn (the agent asked for one, the backend answered whole); a live one says `live`.
+REFRAMED_STREAM_HEADERS = {**EVENT_STREAM_HEADERS, "x-tito-stream": "reframed"}
 
 # Fields no agent API defines that sglang and vLLM read from a chat body (sampling, constrained decoding, template
 # kwargs): an Anthropic or Responses request may carry them as extensions, and they go to the backend as they are.
@@ -51,11 +55,6 @@ def with_known_chat(chat_body: dict[str, Any], found: list[ChatMessage | None], 
         return ChatRequest.model_validate({**chat_body, "messages": mixed}, context={"bounded": True})
     except (ValidationError, RecursionError):
         return None
-
-
-def known_block(messages: list[Any], leading: int, known: list[ChatMessage]) -> list[ChatMessage | None]:
-    """`found` for `with_known_chat` when the known messages follow the first `leading` ones."""
-    return [*([None] * leading), *known, *([None] * (len(messages) - leading - len(known)))]
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ class TurnOutcome:
 class Responder(Protocol):
     """One turn's answer in its API: minted ids, the whole reply, and the stream."""
 
-    stream_headers: dict[str, str]
+    stream_headers: dict[str, str]  # a live stream's (the proxy adds `x-tito-stream: live`)
     reply_id: str | None  # recorded with the turn
 
     def adapt(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +130,16 @@ class AgentApi(Protocol):
     name: str  # recorded as the turn's `api`
     signs: bool  # whether its replies carry signed values (the signing key must exist before the turn runs)
 
+    @property
+    def memos(self) -> tuple[KnownRequests | KnownMessages, ...]:
+        """What it remembers of the requests it read (`known_requests`, `known_messages`), so that a request which
+        extends one parses only what its agent appended; each is bounded by `resize_memos`."""
+        ...
+
+    def resize_memos(self, budget_bytes: int) -> None:
+        """Bound each memo to `budget_bytes` (an estimate of its memory), forgetting the least recently used."""
+        ...
+
     def route(self, path: str) -> Route | None: ...
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest: ...
@@ -147,23 +156,6 @@ class AgentApi(Protocol):
     def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes: ...
 
     def count_tokens_body(self, count: int) -> bytes: ...
-
-
-class TranslatedApi:
-    """An API translated to chat: served at `…/v1/<its path>` under any prefix (and `/sessions/{id}/`), its turns
-    run on the backend's chat path under the same prefix; it signs with the proxy's signer."""
-
-    path: re.Pattern[str]  # groups: sid, prefix, and `count` for a count_tokens route
-
-    def __init__(self, signer: TurnSigner | None = None) -> None:
-        self.signer = signer
-
-    def route(self, path: str) -> Route | None:
-        match = self.path.match(path)
-        if match is None:
-            return None
-        action = "count_tokens" if match.groupdict().get("count") else "turn"
-        return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -23,50 +23,30 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 from typing import Any
 
-import orjson
-
-from tito_addon.canonical_chat import ChatMessage, ChatRequest, parse_arguments
+from tito_addon.canonical_chat import parse_arguments
 from tito_addon.exact_json import dumps_exact
-from tito_addon.protocols.agent_api import (
-    EVENT_STREAM_HEADERS,
-    AgentRequest,
-    ReplyContext,
-    TranslatedApi,
-    TurnOutcome,
-    backend_extensions,
-    chunks_from_message,
-    known_block,
-    with_known_chat,
-)
+from tito_addon.protocols.agent_api import REFRAMED_STREAM_HEADERS, AgentRequest, ReplyContext, TurnOutcome
 from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest, ToolChoice, ToolParam
-from tito_addon.protocols.anthropic_translation import (
-    KNOWN_ANTHROPIC_REQUESTS,
-    MessageTranslation,
-    Translation,
-    translate_message,
-)
+from tito_addon.protocols.anthropic_translation import MessagesTranslation, translate_message
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.json_body import validated
-from tito_addon.protocols.known_requests import Extension
+from tito_addon.protocols.translated_api import ItemTranslation, TranslatedApi, TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
+from tito_addon.tito_errors import BadRequest, UpstreamPassthrough
 
 MESSAGES_PATH = re.compile(
     r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?#]*)?)/v1/messages(?P<count>/count_tokens)?/?(?:\?.*)?$"
 )
 THINKING_PURPOSE = "anthropic-thinking"
-SSE_HEADERS = EVENT_STREAM_HEADERS
-ERROR_TYPES = {
+MESSAGES_ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
     529: "overloaded_error",
 }  # fmt: skip
 
 
-def chat_tools(tools: list[ToolParam] | None, dropped: list[str]) -> list[dict[str, Any]] | None:
+def messages_tools(tools: list[ToolParam] | None, dropped: list[str]) -> list[dict[str, Any]] | None:
     """Client tools as chat functions; server tools the backend cannot run (web search, ...) are left out."""
     out = []
     for tool in tools or []:
@@ -80,7 +60,7 @@ def chat_tools(tools: list[ToolParam] | None, dropped: list[str]) -> list[dict[s
     return out or None
 
 
-def chat_tool_choice(choice: ToolChoice | None) -> Any:
+def messages_tool_choice(choice: ToolChoice | None) -> Any:
     if choice is None:
         return None
     if choice.type == "tool":
@@ -88,161 +68,21 @@ def chat_tool_choice(choice: ToolChoice | None) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-class AnthropicMessagesApi(TranslatedApi):
-    name = "anthropic_messages"
-    signs = True  # mints values the agent echoes back (see turn_refs)
-    path = MESSAGES_PATH
-
-    def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
-        raw, exact, extension = KNOWN_ANTHROPIC_REQUESTS.read(body)
-        prior: tuple[MessageTranslation, ...] = extension.known.state if extension is not None else ()
-        request, appended = self._validated(raw, len(prior))
-        if action == "turn" and request.max_tokens is None:
-            raise BadRequest("invalid messages request at max_tokens: Field required")
-        translation = Translation(self.signer)
-        items: list[dict[str, Any]] = []
-        if request.system is not None:
-            items.append({"role": "system", "content": raw["system"]})
-            translation.system(0, request.system, "system")
-        offset = len(items)
-        leading = len(translation.messages)
-        units = [*prior, *(translate_message(self.signer, len(prior) + i, m) for i, m in enumerate(appended))]
-        for position, unit in enumerate(units):
-            for message in unit.messages:
-                translation.add(offset + position, message)
-            translation.dropped += unit.dropped
-            if unit.signatures is not None:
-                translation.signatures = list(unit.signatures)
-        items += raw["messages"]
-        for where, signature, text in translation.signatures:
-            if self.signer is not None and self.signer.verify_text(THINKING_PURPOSE, signature, text) is None:
-                translation.dropped.append(f"{where}: a thinking signature that is not ours (read as plain text)")
-        if not translation.messages:
-            raise BadRequest("the request has no message the model can read")
-        dropped = translation.dropped
-        chat_body: dict[str, Any] = {"model": request.model, "messages": translation.messages}
-        tools = chat_tools(request.tools, dropped)
-        if tools:
-            chat_body["tools"] = tools
-        choice = chat_tool_choice(request.tool_choice)
-        if choice is not None and tools:
-            chat_body["tool_choice"] = choice
-        if request.tool_choice is not None and request.tool_choice.disable_parallel_tool_use is not None:
-            chat_body["parallel_tool_calls"] = not request.tool_choice.disable_parallel_tool_use
-        for name in ("max_tokens", "temperature", "top_p", "top_k"):
-            value = getattr(request, name)
-            if value is not None:
-                chat_body[name] = value
-        if request.stop_sequences:
-            chat_body["stop"] = list(request.stop_sequences)
-        chat_body.update(backend_extensions(raw))
-        known = [message for unit in prior for message in unit.chat]
-        found = known_block(chat_body["messages"], leading, known)
-        chat = with_known_chat(chat_body, found, walked=True) or validated(
-            ChatRequest, chat_body, "messages request", bounded=True
-        )
-        if exact:
-            self._remember(body, raw, units, chat.messages[leading:], extension)
-        thinking = None if request.thinking is None else request.thinking.type != "disabled"
-        return AgentRequest(
-            chat=chat,
-            chat_body=chat_body,
-            stream=bool(request.stream),
-            items=items,
-            item_of=translation.item_of,
-            thinking=thinking,
-            dropped=dropped,
-            extra={"model": request.model, "stop_sequences": request.stop_sequences or []},
-        )
-
-    @staticmethod
-    def _validated(raw: dict[str, Any], known: int) -> tuple[MessagesRequest, list[MessageParam]]:
-        """The request validated, and its messages after the `known` first ones (validated on an earlier turn:
-        only the rest is, unless it is refused, when the whole request is, for the same words as always)."""
-        messages = raw.get("messages")
-        if known and isinstance(messages, list):
-            try:
-                request = validated(MessagesRequest, {**raw, "messages": messages[known:] or messages[-1:]}, "")
-                return request, request.messages if len(messages) > known else []
-            except BadRequest:
-                pass
-        request = validated(MessagesRequest, raw, "messages request")
-        return request, request.messages[known:]
-
-    @staticmethod
-    def _remember(
-        body: bytes, raw: dict[str, Any], units: list[MessageTranslation], chat: list[ChatMessage],
-        extension: Extension | None,
-    ) -> None:  # fmt: skip
-        """Keep this exact request with each native message's translation and validated chat messages."""
-        start = len(extension.known.raw_messages) if extension is not None else 0
-        filled = []
-        at = 0
-        for unit in units:
-            count = len(unit.messages)
-            filled.append(unit if unit.chat else replace(unit, chat=tuple(chat[at : at + count])))
-            at += count
-        try:
-            encodings = [orjson.dumps(message) for message in raw["messages"][start:]]
-        except (TypeError, orjson.JSONEncodeError):
-            return
-        state = tuple(filled)
-        KNOWN_ANTHROPIC_REQUESTS.remember(body, raw, state, encodings, extension, lambda n: state[:n])  # type: ignore[arg-type]
-
-    def reply_id(self, session_id: str | None = None) -> str | None:
-        return new_id("msg_")
-
-    def responder(self, request: AgentRequest, context: ReplyContext) -> AnthropicResponder:
-        return AnthropicResponder(request, context)
-
-    def error_body(self, error: TitoError) -> bytes:
-        return error_json(error.status, error.message)
-
-    def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes:
-        message = f"backend answered {upstream.status}"
-        try:
-            parsed = json.loads(upstream.body)
-            detail = parsed.get("error", parsed) if isinstance(parsed, dict) else None
-            if isinstance(detail, dict) and isinstance(detail.get("message"), str):
-                message = f"{message}: {detail['message']}"
-            elif isinstance(detail, str):
-                message = f"{message}: {detail}"
-        except ValueError:
-            text = upstream.body[:500].decode("utf-8", "replace").strip()
-            if text:
-                message = f"{message}: {text}"
-        return error_json(upstream.status, message)
-
-    def count_tokens_body(self, count: int) -> bytes:
-        return json.dumps({"input_tokens": count}).encode()
-
-
-def error_json(status: int, message: str) -> bytes:
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, ensure_ascii=False).encode()
-
-
 def _event(name: str, payload: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + dumps_exact(payload, allow_nan=True) + b"\n\n"
 
 
-class AnthropicResponder:
+class AnthropicResponder(TranslatedResponder):
     """Answers one turn: the message object, or its event stream (live or re-framed, from canonical chunks)."""
 
-    stream_headers = SSE_HEADERS
-
     def __init__(self, request: AgentRequest, context: ReplyContext) -> None:
-        self.request = request
-        self.context = context
-        self.reply_id = context.reply_id
+        super().__init__(request, context)
         self.model = request.extra["model"]
         self.stop_sequences: list[str] = request.extra["stop_sequences"]
         self.tool_ids: dict[int, str] = {}
-        # stream state: the open block (kind, tool index), its index, and the reasoning of the open thinking block
-        self.open: tuple[str, int] | None = None
+        # stream state (`open`: the open block's kind and tool index): its index, and the open thinking's reasoning
         self.index = -1
         self.reasoning = ""
-        self.pending_text = ""  # leading whitespace, held until text follows (a blank text block is never sent)
 
     def tool_id(self, position: int, given: str | None = None) -> str:
         """The id the agent sees for the tool call at `position`: ours (`toolu_…`), or the recorded one on replay."""
@@ -302,9 +142,7 @@ class AnthropicResponder:
 
     def reply(self, outcome: TurnOutcome) -> HttpReply:
         if self.request.stream:
-            chunks = chunks_from_message({}, outcome.message, outcome.finish_reason)
-            body = self.stream_start() + b"".join(self.stream_chunk(c) for c in chunks) + self.stream_end(outcome, [])
-            return HttpReply(200, {**SSE_HEADERS, "x-tito-stream": "reframed"}, body)
+            return HttpReply(200, dict(REFRAMED_STREAM_HEADERS), self.reframed(outcome))
         stop_reason, stop_sequence = self.stop(outcome)
         payload = {
             "id": self.context.reply_id,
@@ -357,38 +195,32 @@ class AnthropicResponder:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return _event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
-    def stream_chunk(self, chunk: dict[str, Any]) -> bytes:
-        out = b""
-        for choice in chunk.get("choices") or []:
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if isinstance(reasoning, str) and reasoning:
-                out += self._open("thinking", 0, {"type": "thinking", "thinking": ""})
-                self.reasoning += reasoning
-                out += self._delta({"type": "thinking_delta", "thinking": reasoning})
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                if self.open != ("text", 0) and not (self.pending_text + text).strip():
-                    self.pending_text += text
-                else:
-                    text, self.pending_text = self.pending_text + text, ""
-                    out += self._open("text", 0, {"type": "text", "text": ""})
-                    out += self._delta({"type": "text_delta", "text": text})
-            for call in delta.get("tool_calls") or []:
-                position = int(call.get("index", 0))
-                function = call.get("function") or {}
-                block = {
-                    "type": "tool_use",
-                    "id": self.tool_id(position, call.get("id")),
-                    "name": function.get("name") or "",
-                    "input": {},
-                }
-                out += self._open("tool_use", position, block)
-                arguments = function.get("arguments")
-                if isinstance(arguments, str) and arguments:
-                    out += self._delta({"type": "input_json_delta", "partial_json": arguments})
+    def reasoning_delta(self, reasoning: str) -> bytes:
+        out = self._open("thinking", 0, {"type": "thinking", "thinking": ""})
+        self.reasoning += reasoning
+        return out + self._delta({"type": "thinking_delta", "thinking": reasoning})
+
+    def text_delta(self, text: str) -> bytes:
+        if self.open != ("text", 0) and not (self.pending_text + text).strip():
+            self.pending_text += text
+            return b""
+        text, self.pending_text = self.pending_text + text, ""
+        out = self._open("text", 0, {"type": "text", "text": ""})
+        return out + self._delta({"type": "text_delta", "text": text})
+
+    def call_delta(self, call: dict[str, Any]) -> bytes:
+        position = int(call.get("index", 0))
+        function = call.get("function") or {}
+        block = {
+            "type": "tool_use",
+            "id": self.tool_id(position, call.get("id")),
+            "name": function.get("name") or "",
+            "input": {},
+        }
+        out = self._open("tool_use", position, block)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            out += self._delta({"type": "input_json_delta", "partial_json": arguments})
         return out
 
     def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
@@ -400,3 +232,76 @@ class AnthropicResponder:
     def stream_error(self, message: str) -> bytes:
         error = {"type": "api_error", "message": f"{message}; nothing was recorded"}
         return _event("error", {"type": "error", "error": error})
+
+
+class AnthropicMessagesApi(TranslatedApi[MessagesTranslation]):
+    name = "anthropic_messages"
+    path = MESSAGES_PATH
+    request_model = MessagesRequest
+    noun = "messages request"
+    sampling = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+    responder_type = AnthropicResponder
+
+    def check(self, request: MessagesRequest, action: str) -> None:
+        if action == "turn" and request.max_tokens is None:
+            raise BadRequest("invalid messages request at max_tokens: Field required")
+
+    def begin(self, request: MessagesRequest, raw: dict[str, Any]) -> tuple[MessagesTranslation, list[dict[str, Any]]]:
+        translation = MessagesTranslation(self.signer)
+        if request.system is None:
+            return translation, []
+        translation.system(0, request.system, "system")
+        return translation, [{"role": "system", "content": raw["system"]}]
+
+    def translate_one(self, item: MessageParam, where: str) -> ItemTranslation:
+        return translate_message(self.signer, item, where)
+
+    def close(self, translation: MessagesTranslation) -> None:
+        for where, signature, text in translation.signatures:
+            if self.signer is not None and self.signer.verify_text(THINKING_PURPOSE, signature, text) is None:
+                translation.dropped.append(f"{where}: a thinking signature that is not ours (read as plain text)")
+
+    def fill(
+        self, request: MessagesRequest, translation: MessagesTranslation, chat_body: dict[str, Any]
+    ) -> dict[str, Any]:
+        tools = messages_tools(request.tools, translation.notes)
+        if tools:
+            chat_body["tools"] = tools
+        choice = messages_tool_choice(request.tool_choice)
+        if choice is not None and tools:
+            chat_body["tool_choice"] = choice
+        if request.tool_choice is not None and request.tool_choice.disable_parallel_tool_use is not None:
+            chat_body["parallel_tool_calls"] = not request.tool_choice.disable_parallel_tool_use
+        self.copy_sampling(request, chat_body)
+        if request.stop_sequences:
+            chat_body["stop"] = list(request.stop_sequences)
+        return {"model": request.model, "stop_sequences": request.stop_sequences or []}
+
+    def thinking(self, request: MessagesRequest) -> bool | None:
+        return None if request.thinking is None else request.thinking.type != "disabled"
+
+    def reply_id(self, session_id: str | None = None) -> str | None:
+        return new_id("msg_")
+
+    @staticmethod
+    def error_json(status: int, message: str) -> bytes:
+        kind = MESSAGES_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, ensure_ascii=False).encode()
+
+    def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes:
+        message = f"backend answered {upstream.status}"
+        try:
+            parsed = json.loads(upstream.body)
+            detail = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+            if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+                message = f"{message}: {detail['message']}"
+            elif isinstance(detail, str):
+                message = f"{message}: {detail}"
+        except ValueError:
+            text = upstream.body[:500].decode("utf-8", "replace").strip()
+            if text:
+                message = f"{message}: {text}"
+        return self.error_json(upstream.status, message)
+
+    def count_tokens_body(self, count: int) -> bytes:
+        return json.dumps({"input_tokens": count}).encode()

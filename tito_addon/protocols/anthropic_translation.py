@@ -1,20 +1,18 @@
 """Anthropic Messages' messages as canonical chat messages, one native message at a time (the rules are in
-`anthropic_messages`), and the memo that lets a turn translate only the messages its agent appended.
+`anthropic_messages`).
 
 A native message's translation depends on that message and its position alone (the position names it in what
 the record says was left out), so a request that extends one read before (`known_requests`: the same bytes up to
-the end of its messages) reuses the earlier messages' translations, validated chat messages included. The one
-thing that depends on the rest is which thinking signatures are checked (those of the newest assistant message
-with blocks): each translation keeps its own, and the request takes the newest.
+the end of its messages) reuses the earlier messages' translations (`translated_api.ItemTranslation`), validated
+chat messages included. The one thing that depends on the rest is which thinking signatures are checked (those of
+the newest assistant message with blocks): each translation keeps its own, and the request takes the newest.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from tito_addon.canonical_chat import ChatMessage
 from tito_addon.protocols.anthropic_models import (
     ImageBlock,
     MessageParam,
@@ -24,31 +22,15 @@ from tito_addon.protocols.anthropic_models import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
-from tito_addon.protocols.known_requests import KnownRequests
+from tito_addon.protocols.translated_api import ChatTranslation, ItemTranslation
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import BadRequest
 
 BILLING_PREFIX = "x-anthropic-billing-header"
-# Requests read before, each with its messages' translations (`MessageTranslation`, one per native message).
-KNOWN_ANTHROPIC_REQUESTS = KnownRequests(DEFAULT_BUDGET_BYTES)
 
 
-@dataclass(frozen=True, slots=True)
-class MessageTranslation:
-    """What one native message becomes: its canonical messages, what of it the prompt leaves out, its thinking
-    signatures (None: not an assistant message with blocks, so it leaves the newest ones as they were), and the
-    canonical messages validated (filled once the request's chat form is)."""
-
-    messages: tuple[dict[str, Any], ...]
-    dropped: tuple[str, ...]
-    signatures: tuple[tuple[str, str, str], ...] | None
-    chat: tuple[ChatMessage, ...] = ()
-
-
-def translate_message(signer: TurnSigner | None, position: int, message: MessageParam) -> MessageTranslation:
-    translation = Translation(signer)
-    where = f"messages.{position}"
+def translate_message(signer: TurnSigner | None, message: MessageParam, where: str) -> ItemTranslation:
+    translation = MessagesTranslation(signer)
     if message.role == "system":
         content = message.content
         if not isinstance(content, str) and not all(isinstance(b, TextBlock) for b in content):
@@ -59,7 +41,7 @@ def translate_message(signer: TurnSigner | None, position: int, message: Message
     else:
         translation.assistant(0, message.content, where)
     blocks = message.role == "assistant" and not isinstance(message.content, str)
-    return MessageTranslation(
+    return ItemTranslation(
         tuple(translation.messages), tuple(translation.dropped), tuple(translation.signatures) if blocks else None
     )
 
@@ -73,19 +55,9 @@ def _no_images(blocks: list[Any], where: str) -> None:
         raise BadRequest(f"{where} holds an image: the served model family reads text only; nothing was forwarded")
 
 
-class Translation:
-    """One request's canonical messages, with the native item each came from and what the prompt leaves out."""
-
-    def __init__(self, signer: TurnSigner | None) -> None:
-        self.signer = signer
-        self.messages: list[dict[str, Any]] = []
-        self.item_of: list[int] = []
-        self.dropped: list[str] = []
-        self.signatures: list[tuple[str, str, str]] = []  # (where, signature, thinking) of the last assistant message
-
-    def add(self, item: int, message: dict[str, Any]) -> None:
-        self.messages.append(message)
-        self.item_of.append(item)
+class MessagesTranslation(ChatTranslation):
+    """Anthropic Messages' system prompt and messages as canonical messages; `signatures`: (where, signature,
+    thinking) of the newest assistant message with blocks."""
 
     def system(self, item: int, content: str | list[TextBlock], where: str) -> None:
         if isinstance(content, str):
@@ -98,13 +70,17 @@ class Translation:
         if kept:
             self.add(item, {"role": "system", "content": _text_of(kept)})
 
-    def user(self, item: int, content: str | list[Any], where: str) -> None:
+    def blocks(self, item: int, role: str, content: str | list[Any], where: str) -> list[Any] | None:
+        """A message's blocks (None: a plain string, added as the message it is); images are refused."""
         if isinstance(content, str):
-            self.add(item, {"role": "user", "content": content})
-            return
+            self.add(item, {"role": role, "content": content})
+            return None
         _no_images(content, where)
+        return content
+
+    def user(self, item: int, content: str | list[Any], where: str) -> None:
         texts: list[TextBlock] = []
-        for block in content:
+        for block in self.blocks(item, "user", content, where) or []:
             if isinstance(block, ToolResultBlock):
                 result = block.content
                 if isinstance(result, list):
@@ -119,15 +95,14 @@ class Translation:
             self.add(item, {"role": "user", "content": _text_of(texts)})
 
     def assistant(self, item: int, content: str | list[Any], where: str) -> None:
-        if isinstance(content, str):
-            self.add(item, {"role": "assistant", "content": content})
+        blocks = self.blocks(item, "assistant", content, where)
+        if blocks is None:
             return
-        _no_images(content, where)
         self.signatures = []  # only the newest assistant message is checked: older ones were, on earlier turns
         thinking: list[str] = []
         texts: list[TextBlock] = []
         calls: list[dict[str, Any]] = []
-        for block in content:
+        for block in blocks:
             if isinstance(block, ThinkingBlock):
                 thinking.append(block.thinking)
                 if block.signature and self.signer is not None:

@@ -143,9 +143,14 @@ class KnownRequests:
         return extension
 
     def remember(
-        self, body: bytes, obj: dict[str, Any], state: Any, encodings: list[bytes | None], extended: Extension | None,
+        self,
+        body: bytes,
+        obj: dict[str, Any],
+        state: Any,
+        encodings: list[bytes | None],
+        extended: Extension | None,
         cut: Callable[[int], Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Keep an exact body read as `obj`, with the protocol's `state` of reading its messages; `encodings` are
         those of the messages after the `extended` known request's (all of them when there was none).
 

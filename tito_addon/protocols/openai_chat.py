@@ -15,6 +15,7 @@ from tito_addon.canonical_chat import ChatMessage, ChatRequest
 from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
+    REFRAMED_STREAM_HEADERS,
     AgentRequest,
     ReplyContext,
     Route,
@@ -23,19 +24,13 @@ from tito_addon.protocols.agent_api import (
 )
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.json_body import validated
-from tito_addon.protocols.known_messages import KnownMessages
+from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES, KnownMessages
 from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
 
 DECLARED_FIELDS = tuple(name for name in ChatRequest.model_fields if name != "messages")
 # The id may be empty here so that `/sessions//v1/...` is refused as an empty id, not taken for a path prefix.
 CHAT_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<rest>(?:/[^?#]*)?/v1/chat/completions)/?(?:\?.*)?$")
-
-SSE_HEADERS = {**EVENT_STREAM_HEADERS, "x-tito-stream": "reframed"}
-# The messages of this process's recent requests, validated: an agent's next request re-sends them.
-KNOWN_MESSAGES = KnownMessages()
-# Their bodies: the next request begins with the previous one's bytes, which need no parse.
-KNOWN_REQUESTS = KnownRequests(KNOWN_MESSAGES.budget_bytes)
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -44,31 +39,6 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 def is_chat_path(path: str) -> bool:
     return CHAT_PATH.match(path) is not None
-
-
-def parse_body(body: bytes) -> ChatRequest:
-    return parse_request(body)[0]
-
-
-def parse_request(body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
-    """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
-    obj, exact, extension = KNOWN_REQUESTS.read(body)
-    prior: tuple[ChatMessage, ...] = extension.known.state if extension is not None else ()
-    raw_messages = obj.get("messages")
-    if type(raw_messages) is not list or not raw_messages:
-        return validated(ChatRequest, obj, "chat request"), obj
-    new = raw_messages[len(prior) :]
-    encodings = [KNOWN_MESSAGES.encoding(raw) for raw in new]
-    found = [*prior, *(KNOWN_MESSAGES.find(encoded, raw) for encoded, raw in zip(encodings, new, strict=True))]
-    request = with_known_chat(obj, found, walked=False) or validated(ChatRequest, obj, "chat request")
-    appended = request.messages[len(prior) :]
-    for encoded, raw, known, message in zip(encodings, new, found[len(prior) :], appended, strict=True):
-        if known is None:
-            KNOWN_MESSAGES.remember(encoded, raw, message)
-    if exact:
-        state = tuple(request.messages)
-        KNOWN_REQUESTS.remember(body, obj, state, encodings, extension, lambda n: state[:n])
-    return request, obj
 
 
 def sse_from_completion(completion: dict[str, Any], *, include_usage: bool) -> bytes:
@@ -121,14 +91,49 @@ class ChatCompletionsApi:
     name = "chat"
     signs = False  # mints values the agent echoes back (see turn_refs)
 
+    def __init__(self, memo_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        # The messages of this process's recent requests, validated: an agent's next request re-sends them.
+        self.known_messages = KnownMessages(memo_bytes)
+        # Their bodies: the next request begins with the previous one's bytes, which need no parse.
+        self.known_requests = KnownRequests(memo_bytes)
+
+    @property
+    def memos(self) -> tuple[KnownMessages | KnownRequests, ...]:
+        return (self.known_messages, self.known_requests)
+
+    def resize_memos(self, budget_bytes: int) -> None:
+        for memo in self.memos:
+            memo.resize(budget_bytes)
+
     def route(self, path: str) -> Route | None:
         match = CHAT_PATH.match(path)
         if match is None:
             return None
         return Route(self, "turn", match.group("sid"), match.group("rest"))
 
+    def parse_request(self, body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+        """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
+        obj, exact, extension = self.known_requests.read(body)
+        prior: tuple[ChatMessage, ...] = extension.known.state if extension is not None else ()
+        raw_messages = obj.get("messages")
+        if type(raw_messages) is not list or not raw_messages:
+            return validated(ChatRequest, obj, "chat request"), obj
+        new = raw_messages[len(prior) :]
+        memo = self.known_messages
+        encodings = [memo.encoding(raw) for raw in new]
+        found = [*prior, *(memo.find(encoded, raw) for encoded, raw in zip(encodings, new, strict=True))]
+        request = with_known_chat(obj, found, walked=False) or validated(ChatRequest, obj, "chat request")
+        appended = request.messages[len(prior) :]
+        for encoded, raw, known, message in zip(encodings, new, found[len(prior) :], appended, strict=True):
+            if known is None:
+                memo.remember(encoded, raw, message)
+        if exact:
+            state = tuple(request.messages)
+            self.known_requests.remember(body, obj, state, encodings, extension, lambda n: state[:n])
+        return request, obj
+
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
-        request, raw = parse_request(body)
+        request, raw = self.parse_request(body)
         # The agent's object as sent (dumping 400 validated messages back cost ~1 ms a turn at turn 200), with
         # the fields the model declares in their validated form, so "false" never reads as true downstream.
         chat_body = dict(raw)
@@ -154,7 +159,7 @@ class ChatCompletionsApi:
 
 
 class ChatResponder:
-    stream_headers = SSE_HEADERS
+    stream_headers = EVENT_STREAM_HEADERS
     reply_id = None
 
     def __init__(self, request: ChatRequest) -> None:
@@ -167,7 +172,7 @@ class ChatResponder:
         if self.request.stream:
             include_usage = bool(self.request.stream_options and self.request.stream_options.include_usage)
             return HttpReply(
-                200, dict(SSE_HEADERS), sse_from_completion(outcome.agent_body, include_usage=include_usage)
+                200, dict(REFRAMED_STREAM_HEADERS), sse_from_completion(outcome.agent_body, include_usage=include_usage)
             )
         content = outcome.agent_bytes
         if content is None:

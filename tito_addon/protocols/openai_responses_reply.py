@@ -11,37 +11,25 @@ import time
 from typing import Any
 
 from tito_addon.exact_json import dumps_exact
-from tito_addon.protocols.agent_api import (
-    EVENT_STREAM_HEADERS,
-    AgentRequest,
-    ReplyContext,
-    TurnOutcome,
-    chunks_from_message,
-)
+from tito_addon.protocols.agent_api import REFRAMED_STREAM_HEADERS, AgentRequest, ReplyContext, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply
+from tito_addon.protocols.translated_api import TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
 
 REASONING_PURPOSE = "responses-reasoning"
-SSE_HEADERS = EVENT_STREAM_HEADERS
 
 
-class ResponsesResponder:
+class ResponsesResponder(TranslatedResponder):
     """One turn's response object, or its event stream (live or re-framed, from canonical chunks)."""
 
-    stream_headers = SSE_HEADERS
-
     def __init__(self, request: AgentRequest, context: ReplyContext) -> None:
-        self.request = request
-        self.context = context
-        self.reply_id = context.reply_id
+        super().__init__(request, context)
         self.echo: dict[str, Any] = request.extra["request"]
         self.namespaces: dict[str, tuple[str, str]] = request.extra["namespaces"]
         self.sealed: bool = request.extra["sealed"]
         self.created_at = int(time.time())
         self.sequence = 0
-        self.items: list[dict[str, Any]] = []  # output items in order, as streamed so far
-        self.open: tuple[str, int] | None = None  # (kind, tool position) of the item being streamed
-        self.pending_text = ""
+        self.items: list[dict[str, Any]] = []  # output items in order, as streamed so far (`open`: kind, index)
         self.calls: dict[int, int] = {}  # tool position -> output index
 
     # -- the response object -------------------------------------------------------------------------------------
@@ -104,10 +92,9 @@ class ResponsesResponder:
         return body
 
     def reply(self, outcome: TurnOutcome) -> HttpReply:
-        chunks = chunks_from_message({}, outcome.message, outcome.finish_reason)
-        streamed = self.stream_start() + b"".join(self.stream_chunk(c) for c in chunks) + self.stream_end(outcome, [])
+        streamed = self.reframed(outcome)
         if self.request.stream:
-            return HttpReply(200, {**SSE_HEADERS, "x-tito-stream": "reframed"}, streamed)
+            return HttpReply(200, dict(REFRAMED_STREAM_HEADERS), streamed)
         body = dumps_exact(self.response("completed", outcome), allow_nan=True)
         return HttpReply(200, {"content-type": "application/json"}, body)
 
@@ -151,46 +138,43 @@ class ResponsesResponder:
             part = item["content"][0]
             out += self._event(
                 "response.output_text.done",
-                item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[],
-            )  # fmt: skip
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
             out += self._event(
                 "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
             )
         else:
             out += self._event(
                 "response.function_call_arguments.done",
-                item_id=item["id"], output_index=index, arguments=item["arguments"], name=item["name"],
-            )  # fmt: skip
+                item_id=item["id"],
+                output_index=index,
+                arguments=item["arguments"],
+                name=item["name"],
+            )
         item["status"] = "completed"
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
-    def stream_chunk(self, chunk: dict[str, Any]) -> bytes:
+    def reasoning_delta(self, reasoning: str) -> bytes:
         out = b""
-        for choice in chunk.get("choices") or []:
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if isinstance(reasoning, str) and reasoning:
-                if self.open is None or self.open[0] != "reasoning":
-                    item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": [
-                        {"type": "reasoning_text", "text": ""}]}  # fmt: skip
-                    added, _ = self._add("reasoning", item)
-                    out += added
-                index = self.open[1]  # type: ignore[index]
-                self.items[index]["content"][0]["text"] += reasoning
-                out += self._event(
-                    "response.reasoning_text.delta",
-                    item_id=self.items[index]["id"], output_index=index, content_index=0, delta=reasoning,
-                )  # fmt: skip
-            text = delta.get("content")
-            if isinstance(text, str) and text:
-                out += self._text(text)
-            for call in delta.get("tool_calls") or []:
-                out += self._call(call)
-        return out
+        if self.open is None or self.open[0] != "reasoning":
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": [
+                {"type": "reasoning_text", "text": ""}]}  # fmt: skip
+            out, _ = self._add("reasoning", item)
+        index = self.open[1]  # type: ignore[index]
+        self.items[index]["content"][0]["text"] += reasoning
+        return out + self._event(
+            "response.reasoning_text.delta",
+            item_id=self.items[index]["id"],
+            output_index=index,
+            content_index=0,
+            delta=reasoning,
+        )
 
-    def _text(self, text: str) -> bytes:
+    def text_delta(self, text: str) -> bytes:
         out = b""
         if self.open is None or self.open[0] != "message":
             if not (self.pending_text + text).strip():
@@ -203,18 +187,25 @@ class ResponsesResponder:
             out += added
             item["content"].append(part)
             out += self._event(
-                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
                 part={**part},
-            )  # fmt: skip
+            )
         index = self.open[1]  # type: ignore[index]
         item = self.items[index]
         item["content"][0]["text"] += text
         return out + self._event(
             "response.output_text.delta",
-            item_id=item["id"], output_index=index, content_index=0, delta=text, logprobs=[],
-        )  # fmt: skip
+            item_id=item["id"],
+            output_index=index,
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
 
-    def _call(self, call: dict[str, Any]) -> bytes:
+    def call_delta(self, call: dict[str, Any]) -> bytes:
         out = b""
         position = int(call.get("index", 0))
         function = call.get("function") or {}

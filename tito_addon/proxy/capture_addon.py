@@ -26,10 +26,7 @@ from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.prompt_ids import EncodedPrefixes
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
-from tito_addon.protocols.anthropic_translation import KNOWN_ANTHROPIC_REQUESTS
 from tito_addon.protocols.http_reply import HttpReply, json_reply
-from tito_addon.protocols.openai_chat import KNOWN_MESSAGES, KNOWN_REQUESTS
-from tito_addon.protocols.openai_responses import KNOWN_RESPONSES_REQUESTS
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.collector_tuning import tune_collector
@@ -227,8 +224,6 @@ class TitoAddon:
         self.store.idle_timeout = settings.session_idle_timeout
         self.store.max_sessions = settings.max_sessions
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
-        for memo in (KNOWN_MESSAGES, KNOWN_REQUESTS, KNOWN_ANTHROPIC_REQUESTS, KNOWN_RESPONSES_REQUESTS):
-            memo.resize(settings.message_memo_mb * 1024 * 1024)
         shared = self._shared_sessions(settings)
         self.settings = settings
         self.engine = engine
@@ -248,6 +243,7 @@ class TitoAddon:
             prefixes=self.prefixes,
             record_message_text=settings.record_message_text,
             signer=self._signer(settings),
+            memo_bytes=settings.message_memo_mb * 1024 * 1024,
             shared=shared,
             after_close=settings.after_close,
         )

@@ -23,6 +23,7 @@ from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
 from tito_addon.engine.token_engine import PromptPiece, TokenEngine
 from tito_addon.protocols.agent_api import AgentApi, AgentRequest, ReplyContext, Responder, Route, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.openai_responses import reply_session
 from tito_addon.protocols.routing import agent_apis, find_route
 from tito_addon.protocols.turn_refs import TurnSigner
@@ -118,6 +119,7 @@ class TurnService:
         signer: TurnSigner | None = None,
         shared: SharedSessions | None = None,
         after_close: str = "refuse",
+        memo_bytes: int = DEFAULT_BUDGET_BYTES,
     ) -> None:
         """`shared`: sessions in a store several proxies share (Redis) instead of `store`, this process's own.
         `after_close`: what a request naming a session its driver closed gets: `refuse` (409) or a `new` tree."""
@@ -125,7 +127,8 @@ class TurnService:
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
         # has none, so nothing is ever signed with a guessable one.
         self.signer = signer if signer is not None else TurnSigner(secrets.token_bytes(32))
-        self.apis: list[AgentApi] = agent_apis(self.signer)
+        # `memo_bytes`: what each API may remember of the requests it read, per memo (see `AgentApi.memos`).
+        self.apis: list[AgentApi] = agent_apis(self.signer, memo_bytes)
         self.engine = engine
         self.backend = backend
         self.store = store

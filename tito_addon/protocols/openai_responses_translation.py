@@ -1,0 +1,128 @@
+"""OpenAI Responses' input items as canonical chat messages (the rules are in `openai_responses`), and the reading
+of them that a request extending this one takes as it was.
+
+Unlike Anthropic's messages, items do not translate one by one: a run of assistant-side items (reasoning, an
+assistant message, function calls) is one assistant message, so the reading kept is of all the items at once
+(`TranslatedItems`), and an appended item that would join the message the known items left open is translated
+with them (a whole read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tito_addon.canonical_chat import ChatMessage
+from tito_addon.protocols.openai_responses_models import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MediaPart,
+    MessageItem,
+    RefusalPart,
+)
+from tito_addon.protocols.openai_responses_reply import REASONING_PURPOSE
+from tito_addon.protocols.translated_api import ChatTranslation
+from tito_addon.protocols.turn_refs import TurnSigner
+from tito_addon.tito_errors import BadRequest
+
+NAMESPACE_JOIN = "__"
+
+
+def _text(parts: str | list[Any], where: str) -> str | list[dict[str, str]]:
+    if isinstance(parts, str):
+        return parts
+    out = []
+    for part in parts:
+        if isinstance(part, MediaPart):
+            raise BadRequest(
+                f"{where} holds {part.type}: the served model family reads text only; nothing was forwarded"
+            )
+        out.append({"type": "text", "text": part.refusal if isinstance(part, RefusalPart) else part.text})
+    return out
+
+
+def _joined(parts: list[Any]) -> str:
+    return "\n".join(part.text for part in parts)
+
+
+class ResponsesTranslation(ChatTranslation):
+    """Input items as canonical messages; with the request's tools as chat functions (`tools`) and the namespaced
+    names they were flattened from (`namespaces`), which the reply needs."""
+
+    def __init__(self, signer: TurnSigner | None) -> None:
+        super().__init__(signer)
+        self.assistant: dict[str, Any] | None = None  # the assistant message the current run of items builds
+        self.tools: list[dict[str, Any]] | None = None
+        self.namespaces: dict[str, tuple[str, str]] = {}
+
+    def item(self, index: int, item: Any, where: str) -> None:
+        if isinstance(item, MessageItem):
+            self.message(index, item, where)
+        elif isinstance(item, FunctionCallItem):
+            self.function_call(index, item)
+        elif isinstance(item, FunctionCallOutputItem):
+            self.output(index, item, where)
+        else:
+            self.reasoning(index, item, where)
+
+    def assistant_at(self, item: int) -> dict[str, Any]:
+        if self.assistant is None:
+            self.assistant = self.add(item, {"role": "assistant", "content": None})
+        return self.assistant
+
+    def message(self, item: int, message: MessageItem, where: str) -> None:
+        content = _text(message.content, where)
+        if message.role == "assistant":
+            target = self.assistant_at(item)
+            text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+            target["content"] = text if target["content"] is None else target["content"] + "\n" + text
+            return
+        self.assistant = None
+        role = "system" if message.role in ("system", "developer") else "user"
+        self.add(item, {"role": role, "content": content})
+
+    def function_call(self, item: int, call: FunctionCallItem) -> None:
+        name = f"{call.namespace}{NAMESPACE_JOIN}{call.name}" if call.namespace else call.name
+        calls = self.assistant_at(item).setdefault("tool_calls", [])
+        calls.append({"id": call.call_id, "type": "function", "function": {"name": name, "arguments": call.arguments}})
+
+    def output(self, item: int, result: FunctionCallOutputItem, where: str) -> None:
+        self.assistant = None
+        content = _text(result.output, where)
+        text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+        self.add(item, {"role": "tool", "tool_call_id": result.call_id, "content": text})
+
+    def reasoning(self, item: int, reasoning: Any, where: str) -> None:
+        text: str | None = None
+        if reasoning.encrypted_content is not None:
+            opened = self.signer.open_text(REASONING_PURPOSE, reasoning.encrypted_content) if self.signer else None
+            if opened is not None:
+                text = opened[1]
+            else:
+                self.dropped.append(f"{where}: encrypted_content that is not ours (left out of the prompt)")
+        if text is None and reasoning.content:
+            text = _joined(reasoning.content)
+        if text is None and reasoning.summary:
+            text = _joined(reasoning.summary)
+        if text:
+            target = self.assistant_at(item)
+            target["reasoning_content"] = (target.get("reasoning_content") or "") + text
+
+
+@dataclass(frozen=True, slots=True)
+class TranslatedItems:
+    """What a request's input items became, kept with its bytes (see `known_requests`) so that a request extending
+    it translates only its own items: the canonical messages (never changed once their run of items ended), the item
+    each came from, what was left out, whether the last assistant message was still open to the next item, and the
+    messages validated."""
+
+    messages: tuple[dict[str, Any], ...]
+    item_of: tuple[int, ...]
+    dropped: tuple[str, ...]
+    open_run: bool
+    chat: tuple[ChatMessage, ...] = ()
+
+
+def closes_run(item: Any) -> bool:
+    """Whether an item ends the run of assistant-side items before it (see `ResponsesTranslation`)."""
+    return isinstance(item, FunctionCallOutputItem) or (isinstance(item, MessageItem) and item.role != "assistant")

@@ -1,0 +1,343 @@
+"""The template of an agent API translated to the canonical chat form: Anthropic Messages and OpenAI Responses fill
+it in, and so would the next one (Gemini's generateContent).
+
+Reading a request is one pipeline, written here once (`TranslatedApi.parse`):
+1. the body, read as a request this API read before plus what its agent appended (`known_requests`, its own memo);
+2. validation of what was appended only (the known items were validated when they were read); a refusal is told by
+   validating the whole request, so its words are always the same;
+3. the translation: the items before the conversation (a system prompt, instructions: `begin`), the known items'
+   translation taken as it was (`resume`), each appended item's (`translate_item`), then what depends on them all
+   (`close`: which thinking signatures are checked);
+4. the chat body: the API's own fields (`fill`: tools, tool choice, sampling, what the prompt leaves out of them)
+   and the backend extensions; the chat form validated, the known items' validated messages taken as they are;
+5. the request remembered with this reading of its items (`reading`), and the `AgentRequest`, with the thinking
+   switch and what the prompt leaves out, of the conversation first.
+
+Where each native item translates on its own (Anthropic's messages, Gemini's contents), the reading kept is one
+`ItemTranslation` per item, so a request is also known up to each of its last items (an agent may rewrite its last
+one) and an API supplies only `translate_one`. OpenAI Responses, whose assistant-side items join into one message,
+keeps one reading of them all instead (its own `resume`, `translate_item` and `reading`).
+
+`TranslatedResponder` is the reply's side: the stream made from a finished message, and each canonical chunk's
+reasoning, text and tool-call deltas handed to the API's stream writer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from tito_addon.canonical_chat import BoundedRequest, ChatMessage, ChatRequest
+from tito_addon.protocols.agent_api import (
+    EVENT_STREAM_HEADERS,
+    AgentRequest,
+    ReplyContext,
+    Route,
+    TurnOutcome,
+    backend_extensions,
+    chunks_from_message,
+    with_known_chat,
+)
+from tito_addon.protocols.json_body import validated
+from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
+from tito_addon.protocols.known_requests import Extension, KnownRequests
+from tito_addon.protocols.turn_refs import TurnSigner
+from tito_addon.tito_errors import BadRequest, TitoError
+
+Signature = tuple[str, str, str]  # where, the signed value, the text it stands for
+
+
+@dataclass(frozen=True, slots=True)
+class ItemTranslation:
+    """What one native item becomes, where items translate on their own: its canonical messages, what of it the
+    prompt leaves out, its signed values (None: it holds none, and leaves the newest ones as they were: only those
+    are checked), and its messages validated (filled once the request's chat form is)."""
+
+    messages: tuple[dict[str, Any], ...]
+    dropped: tuple[str, ...]
+    signatures: tuple[Signature, ...] | None
+    chat: tuple[ChatMessage, ...] = ()
+
+
+class ChatTranslation:
+    """One request's canonical messages, the native item each came from, and what the prompt leaves out: of the
+    conversation (`dropped`) and of the request's other fields (`notes`, told after it)."""
+
+    def __init__(self, signer: TurnSigner | None) -> None:
+        self.signer = signer
+        self.messages: list[dict[str, Any]] = []
+        self.item_of: list[int] = []
+        self.dropped: list[str] = []
+        self.notes: list[str] = []
+        self.signatures: list[Signature] = []  # those of the newest item that holds any
+        self.units: list[ItemTranslation] = []  # each item's translation, where items translate on their own
+
+    def add(self, item: int, message: dict[str, Any]) -> dict[str, Any]:
+        self.messages.append(message)
+        self.item_of.append(item)
+        return message
+
+    def take(self, first: int, units: Sequence[ItemTranslation]) -> list[ChatMessage]:
+        """Add the translations of consecutive items from item `first` (made now, or on an earlier turn: their
+        messages validated then are returned)."""
+        messages, item_of, dropped = self.messages, self.item_of, self.dropped
+        known: list[ChatMessage] = []
+        signatures = None
+        for item, unit in enumerate(units, first):
+            messages += unit.messages
+            item_of += [item] * len(unit.messages)
+            dropped += unit.dropped
+            if unit.signatures is not None:
+                signatures = unit.signatures
+            known += unit.chat
+        if signatures is not None:
+            self.signatures = list(signatures)
+        self.units += units
+        return known
+
+
+def known_block(messages: list[Any], leading: int, known: list[ChatMessage]) -> list[ChatMessage | None]:
+    """`found` for `with_known_chat` when the known messages follow the first `leading` ones."""
+    return [*([None] * leading), *known, *([None] * (len(messages) - leading - len(known)))]
+
+
+class TranslatedApi[T: ChatTranslation]:
+    """An API translated to chat: served at `…/v1/<its path>` under any prefix (and `/sessions/{id}/`), its turns
+    run on the backend's chat path under the same prefix; it signs with the proxy's signer, and remembers up to
+    `memo_bytes` of the requests it read. An API fills in the attributes and the hooks below."""
+
+    name: str
+    signs = True  # mints values the agent echoes back (see turn_refs)
+    path: re.Pattern[str]  # groups: sid, prefix, and `count` for a count_tokens route
+    request_model: type[BoundedRequest]
+    member = "messages"  # the request's array of native items, the conversation
+    noun: str  # the request, in a refusal's words ("messages request")
+    item_noun = "message"  # what the model reads, in the refusal of a request with none
+    # Sampling fields the chat body takes as they are: each chat name with the request's (see `copy_sampling`).
+    sampling: dict[str, str] = {}
+
+    def __init__(self, signer: TurnSigner | None = None, memo_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+        self.signer = signer
+        # The requests read before, each with this API's reading of its items (`reading`).
+        self.known_requests = KnownRequests(memo_bytes, member=self.member)
+
+    @property
+    def memos(self) -> tuple[KnownRequests, ...]:
+        return (self.known_requests,)
+
+    def resize_memos(self, budget_bytes: int) -> None:
+        self.known_requests.resize(budget_bytes)
+
+    def route(self, path: str) -> Route | None:
+        match = self.path.match(path)
+        if match is None:
+            return None
+        action = "count_tokens" if match.groupdict().get("count") else "turn"
+        return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")  # type: ignore[arg-type]
+
+    def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
+        raw, exact, extension = self.known_requests.read(body)
+        request, appended, prior = self._validated(raw, extension)
+        self.check(request, action)
+        translation, items = self.begin(request, raw)
+        offset, leading = len(items), len(translation.messages)
+        native = raw[self.member]
+        known: list[ChatMessage] = []
+        if type(native) is list:  # (not where a string stands for the conversation: `begin` read it)
+            items += native
+            if prior is not None:
+                known = self.resume(translation, prior, offset)
+            for position, item in enumerate(appended, len(native) - len(appended)):
+                self.translate_item(translation, offset + position, item, f"{self.member}.{position}")
+        self.close(translation)
+        if not translation.messages:
+            raise BadRequest(f"the request has no {self.item_noun} the model can read")
+        chat_body: dict[str, Any] = {"model": request.model, "messages": translation.messages}
+        extra = self.fill(request, translation, chat_body)
+        chat_body.update(backend_extensions(raw))
+        found = known_block(translation.messages, leading, known)
+        chat = with_known_chat(chat_body, found, walked=True) or validated(
+            ChatRequest, chat_body, self.noun, bounded=True
+        )
+        if exact and type(native) is list:
+            self._remember(body, raw, *self.reading(translation, chat.messages[leading:], leading, offset), extension)
+        return AgentRequest(
+            chat=chat,
+            chat_body=chat_body,
+            stream=bool(request.stream),
+            items=items,
+            item_of=translation.item_of,
+            thinking=self.thinking(request),
+            previous_response_id=self.previous_reply(request),
+            dropped=translation.dropped + translation.notes,
+            extra=extra,
+        )
+
+    def _validated(self, raw: dict[str, Any], extension: Extension | None) -> tuple[Any, list[Any], Any]:
+        """The request validated, the items to translate, and the known items' reading to take (None: all of them
+        are translated). Only the items after the known ones are validated, unless they are refused, when the whole
+        request is, for the same words as always; or unless they cannot follow that reading (`continues`)."""
+        native = raw.get(self.member)
+        if extension is not None and isinstance(native, list):
+            known = len(extension.known.raw_messages)
+            try:
+                request = validated(self.request_model, {**raw, self.member: native[known:] or native[-1:]}, "")
+            except BadRequest:
+                request = None
+            if request is not None:
+                appended = getattr(request, self.member) if len(native) > known else []
+                if self.continues(extension.known.state, appended):
+                    return request, appended, extension.known.state
+        try:
+            request = validated(self.request_model, raw, self.noun)
+        except BadRequest as refused:
+            raise self.refusal(raw, refused) from None
+        whole = getattr(request, self.member)
+        return request, whole if isinstance(whole, list) else [], None
+
+    def _remember(
+        self,
+        body: bytes,
+        raw: dict[str, Any],
+        state: Any,
+        cut: Callable[[int], Any] | None,
+        extension: Extension | None,
+    ) -> None:
+        """Keep this exact request with the reading of its items, so that one extending it translates only its own."""
+        start = len(extension.known.raw_messages) if extension is not None else 0
+        try:
+            encodings = [orjson.dumps(item) for item in raw[self.member][start:]]
+        except (TypeError, orjson.JSONEncodeError):
+            return
+        self.known_requests.remember(body, raw, state, encodings, extension, cut)  # type: ignore[arg-type]
+
+    def copy_sampling(self, request: Any, chat_body: dict[str, Any]) -> None:
+        for chat_name, name in self.sampling.items():
+            value = getattr(request, name)
+            if value is not None:
+                chat_body[chat_name] = value
+
+    def responder(self, request: AgentRequest, context: ReplyContext) -> TranslatedResponder:
+        return self.responder_type(request, context)
+
+    def error_body(self, error: TitoError) -> bytes:
+        return self.error_json(error.status, error.message)
+
+    # -- what an API fills in ------------------------------------------------------------------------------------
+
+    responder_type: type[TranslatedResponder]
+
+    @staticmethod
+    def error_json(status: int, message: str) -> bytes:
+        """An error in the API's own shape."""
+        raise NotImplementedError
+
+    def check(self, request: Any, action: str) -> None:
+        """Refuse a request that lacks what `action` needs of it."""
+
+    def begin(self, request: Any, raw: dict[str, Any]) -> tuple[T, list[dict[str, Any]]]:
+        """A new translation holding the messages of the items before the conversation (a system prompt,
+        instructions), and those items."""
+        raise NotImplementedError
+
+    def refusal(self, raw: dict[str, Any], refused: BadRequest) -> BadRequest:
+        """What a refused request is told (a better-named reason than the validation's, where the API has one)."""
+        return refused
+
+    def continues(self, prior: Any, appended: list[Any]) -> bool:
+        """Whether the appended items can follow the known items' reading (else all of them are translated)."""
+        return True
+
+    def translate_one(self, item: Any, where: str) -> ItemTranslation:
+        """One native item's translation, where items translate on their own."""
+        raise NotImplementedError
+
+    def translate_item(self, translation: T, index: int, item: Any, where: str) -> None:
+        translation.take(index, (self.translate_one(item, where),))
+
+    def resume(self, translation: T, prior: Any, offset: int) -> list[ChatMessage]:
+        """Take the known items' reading; their messages validated."""
+        return translation.take(offset, prior)
+
+    def close(self, translation: T) -> None:
+        """What depends on all the items (the newest signatures checked)."""
+
+    def reading(
+        self, translation: T, chat: list[ChatMessage], leading: int, offset: int
+    ) -> tuple[Any, Callable[[int], Any] | None]:
+        """What is remembered of reading the items (`chat`: their messages validated), and the reading of the first
+        n of them where the API can give it (see `KnownRequests.remember`)."""
+        filled = []
+        at = 0
+        for unit in translation.units:
+            count = len(unit.messages)
+            filled.append(unit if unit.chat else replace(unit, chat=tuple(chat[at : at + count])))
+            at += count
+        state = tuple(filled)
+        return state, lambda n: state[:n]
+
+    def fill(self, request: Any, translation: T, chat_body: dict[str, Any]) -> dict[str, Any]:
+        """The API's fields in the chat body (what the prompt leaves out of them noted); the reply's options."""
+        raise NotImplementedError
+
+    def thinking(self, request: Any) -> bool | None:
+        """The agent's thinking switch, where the request has one."""
+        return None
+
+    def previous_reply(self, request: Any) -> str | None:
+        """The stored reply the request continues, where the API names one."""
+        return None
+
+
+class TranslatedResponder:
+    """One turn's answer in a translated API: the stream is written from canonical chunks, each split here into its
+    reasoning, text and tool-call deltas; a finished message is re-framed as the same stream (`reframed`)."""
+
+    stream_headers = EVENT_STREAM_HEADERS
+
+    def __init__(self, request: AgentRequest, context: ReplyContext) -> None:
+        self.request = request
+        self.context = context
+        self.reply_id = context.reply_id
+        self.open: tuple[str, int] | None = None  # the block or item being streamed: its kind and position
+        self.pending_text = ""  # leading whitespace, held until text follows (a blank text is never shown)
+
+    def reframed(self, outcome: TurnOutcome) -> bytes:
+        """The finished turn as the stream a live one writes."""
+        chunks = chunks_from_message({}, outcome.message, outcome.finish_reason)
+        return self.stream_start() + b"".join(self.stream_chunk(c) for c in chunks) + self.stream_end(outcome, [])
+
+    def stream_chunk(self, chunk: dict[str, Any]) -> bytes:
+        out = b""
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                out += self.reasoning_delta(reasoning)
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                out += self.text_delta(text)
+            for call in delta.get("tool_calls") or []:
+                out += self.call_delta(call)
+        return out
+
+    def stream_start(self) -> bytes:
+        raise NotImplementedError
+
+    def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
+        raise NotImplementedError
+
+    def reasoning_delta(self, reasoning: str) -> bytes:
+        raise NotImplementedError
+
+    def text_delta(self, text: str) -> bytes:
+        raise NotImplementedError
+
+    def call_delta(self, call: dict[str, Any]) -> bytes:
+        raise NotImplementedError
