@@ -405,7 +405,7 @@ MEDIAN_KEYS = {"seconds", "turns_per_s", "p50_ms", "p99_ms", "proxy_cpu_ms_per_t
 def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) -> dict:
     from tito_addon.canonical_chat import ChatMessage
     from tito_addon.sessions.message_keys import message_key
-    from tito_addon.sessions.session_tree import SessionStore
+    from tito_addon.sessions.session_tree import MemoryTree
 
     per_turn = tokens_per_session // turns
     user = ChatMessage(role="user", content="q")
@@ -414,7 +414,7 @@ def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) 
     ids = list(range(100, 100 + per_turn // 2))
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    store = SessionStore()
+    store = MemoryTree()
     for s in range(sessions):
         session = store.new_session(f"s{s}")
         parent = None

@@ -59,8 +59,8 @@ def breakdown(turns: int, tokenizer: str) -> dict:
     from tito_addon.engine.token_engine import TokenEngine
     from tito_addon.engine.tokenizer_loading import load_tokenizer
     from tito_addon.protocols import openai_chat
+    from tito_addon.sessions.memory_sessions import MemorySessions
     from tito_addon.sessions.message_keys import message_key
-    from tito_addon.sessions.session_tree import SessionStore
     from tito_addon.turns.turn_service import TurnService
 
     bodies = [agent_body({"model": "m", "messages": m}) for m in conversation(turns)]
@@ -90,7 +90,7 @@ def breakdown(turns: int, tokenizer: str) -> dict:
         runner, port = await start_backend()
         base = f"http://127.0.0.1:{port}"
         client = UpstreamClient()
-        service = TurnService(engine, SglangBackend(client), SessionStore(), None)
+        service = TurnService(engine, SglangBackend(client), MemorySessions(), None)
         out: dict = {}
         prepared: dict[int, list[float]] = {}
         try:
@@ -99,7 +99,7 @@ def breakdown(turns: int, tokenizer: str) -> dict:
                 near = [c for c in CHECKPOINTS if abs(c - turn) <= 2]
                 if near:  # a turn's first preparation, as the proxy prepares it (a second one would be a retry)
                     started = time.perf_counter()
-                    service.prepare("/v1/chat/completions", headers, body, base)
+                    await service.prepare("/v1/chat/completions", headers, body, base)
                     prepared.setdefault(near[0], []).append(time.perf_counter() - started)
                 reply = await service.handle("/v1/chat/completions", headers, body, base)
                 assert reply.status == 200, reply.body[:200]

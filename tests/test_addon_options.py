@@ -13,6 +13,7 @@ from mitmproxy.test import taddons, tflow, tutils
 from tito_addon.backends.backend_routes import normalize_backend_url
 from tito_addon.engine import tokenizer_loading
 from tito_addon.proxy.capture_addon import TitoAddon
+from tito_addon.proxy.session_addons import SessionListing
 
 
 def configured(tctx, addon, **options):
@@ -67,13 +68,13 @@ def test_the_memos_and_the_collector_follow_their_options(monkeypatch) -> None:
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon, tito_message_memo_mb=3, tito_gc_threshold=12345)
-        memos = [memo for api in addon.service.apis for memo in api.memos]  # each API's own
+        memos = [memo for api in addon.wiring.service.apis for memo in api.memos]  # each API's own
         assert {memo.budget_bytes for memo in memos} == {3 * 1024 * 1024}
         assert seen[-2:] == [(12345, *before[1:]), ("freeze",)], "the configured process is frozen out of its walks"
         seen.clear()
         configured(tctx, addon, tito_message_memo_mb=128, tito_gc_threshold=0)
         assert seen == [], "0 leaves the collector as it is"
-        memos = [memo for api in addon.service.apis for memo in api.memos]
+        memos = [memo for api in addon.wiring.service.apis for memo in api.memos]
         assert {memo.budget_bytes for memo in memos} == {128 * 1024 * 1024}
 
 
@@ -81,7 +82,7 @@ def test_append_roles_are_normalised() -> None:
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon, tito_append_roles="Tool, user,tool")
-        assert addon.engine.append_roles == ("tool", "user")
+        assert addon.wiring.engine.append_roles == ("tool", "user")
 
 
 @pytest.mark.parametrize(("family", "roles"), [("qwen3", ("tool", "user", "system")), ("mistral", ("tool", "user"))])
@@ -89,7 +90,7 @@ def test_auto_append_roles_are_what_the_family_can_append(family, roles) -> None
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon, tito_tokenizer=tokenizer_path(family), tito_model_family=family)
-        assert addon.engine.append_roles == roles
+        assert addon.wiring.engine.append_roles == roles
 
 
 def test_asking_a_family_for_a_role_it_refuses_fails_at_startup() -> None:
@@ -108,7 +109,7 @@ def test_trust_remote_code_stays_off_unless_enabled(monkeypatch) -> None:
         seen.append(trust_remote_code)
         return real(name, trust_remote_code=trust_remote_code)
 
-    monkeypatch.setattr("tito_addon.proxy.capture_addon.load_tokenizer", spy)
+    monkeypatch.setattr("tito_addon.proxy.turn_wiring.load_tokenizer", spy)
     addon = TitoAddon()
     with taddons.context(addon) as tctx:
         configured(tctx, addon)
@@ -206,14 +207,31 @@ def test_sessions_command_lists_live_sessions() -> None:
     from tito_addon.sessions.message_keys import message_key
 
     addon = TitoAddon()
-    with taddons.context(addon) as tctx:
+    listing = SessionListing(addon.wiring)
+    with taddons.context(addon, listing) as tctx:
         configured(tctx, addon)
         user = ChatMessage(role="user", content="hi")
         reply = ChatMessage(role="assistant", content="hello")
-        session = addon.store.new_session("listed-session")
+        session = addon.wiring.memory.tree.new_session("listed-session")
         keys = (message_key(user), message_key(reply))
-        addon.store.commit(session, None, 2, keys, (None, None), [1, 2, 3], [4, 5], "stop")
-        table = tctx.command(addon.sessions)
+        addon.wiring.memory.tree.commit(session, None, 2, keys, (None, None), [1, 2, 3], [4, 5], "stop")
+        table = tctx.command(listing.sessions)
     assert "listed-session" in table
     row = next(line for line in table.splitlines() if line.startswith("listed-session"))
     assert row.split()[1:3] == ["1", "5"]  # turns, tokens
+
+
+def test_a_reconfiguration_keeps_the_apis_and_their_memos_while_the_signer_stays(tmp_path) -> None:
+    """The APIs (and the requests their memos hold) outlive a reconfiguration that keeps the signing key and the record
+    dir; a new record dir (a new key kept there) gives the signing APIs new memos, chat's stays."""
+    addon = TitoAddon()
+    with taddons.context(addon) as tctx:
+        configured(tctx, addon, tito_record_dir=str(tmp_path / "a"))
+        before = addon.wiring.service.apis
+        configured(tctx, addon, tito_record_dir=str(tmp_path / "a"), tito_gc_threshold=0, tito_message_memo_mb=7)
+        after = addon.wiring.service.apis
+        assert [a is b for a, b in zip(before, after, strict=True)] == [True, True, True]
+        assert {memo.budget_bytes for api in after for memo in api.memos} == {7 * 1024 * 1024}
+        configured(tctx, addon, tito_record_dir=str(tmp_path / "b"))
+        moved = addon.wiring.service.apis
+        assert [a is b for a, b in zip(after, moved, strict=True)] == [True, False, False]

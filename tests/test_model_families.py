@@ -399,33 +399,35 @@ def test_kwargs_that_rerender_the_history_are_told_apart(family, stored, request
     assert engine.history_changed({**pinned, **stored}, {**pinned, **requested}, TOOLS) is changed
 
 
-def test_a_changed_reasoning_effort_is_a_fresh_render_not_a_continuation() -> None:
+async def test_a_changed_reasoning_effort_is_a_fresh_render_not_a_continuation() -> None:
     """gpt-oss keeps `reasoning_effort` in the system message, which a continuation never re-renders: the turn
     that changes it is served from scratch (a new root), so the model is told; unchanged kwargs continue."""
     from tito_addon.backends.backend_protocol import BackendResult
     from tito_addon.backends.sglang_backend import SglangBackend
     from tito_addon.backends.upstream_client import UpstreamClient
-    from tito_addon.sessions.session_tree import SessionStore
+    from tito_addon.sessions.memory_sessions import MemorySessions
     from tito_addon.turns.turn_service import TurnService
 
     engine = engine_for("gpt-oss")
-    service = TurnService(engine, SglangBackend(UpstreamClient()), SessionStore(), None)
+    service = TurnService(engine, SglangBackend(UpstreamClient()), MemorySessions(), None)
     headers = {"x-session-id": "effort"}
     first = [{"role": "user", "content": "Hi"}]
 
     def body(messages, effort):
         return json.dumps({"messages": messages, "chat_template_kwargs": {"reasoning_effort": effort}}).encode()
 
-    prepared = service.prepare("/v1/chat/completions", headers, body(first, "low"))
+    prepared = await service.prepare("/v1/chat/completions", headers, body(first, "low"))
     completion = engine.encode("<|channel|>final<|message|>Hello!<|return|>")
     message = {"role": "assistant", "content": "Hello!"}
-    service.commit(prepared, BackendResult(completion, [-0.1] * len(completion), message, "stop", {}), None)
+    run = await service.start(prepared, headers, "")
+    await run.finish(BackendResult(completion, [-0.1] * len(completion), message, "stop", {}))
+    await run.release()
     follow = [*first, message, {"role": "user", "content": "More?"}]
-    same = service.prepare("/v1/chat/completions", headers, body(follow, "low"))
+    same = await service.prepare("/v1/chat/completions", headers, body(follow, "low"))
     assert same.parent is not None and same.prompt.ids[: len(prepared.prompt.ids) + len(completion)] == (
         prepared.prompt.ids + completion
     )
-    changed = service.prepare("/v1/chat/completions", headers, body(follow, "high"))
+    changed = await service.prepare("/v1/chat/completions", headers, body(follow, "high"))
     assert changed.parent is None
     assert "Reasoning: high" in engine.tokenizer.decode(changed.prompt.ids)
     assert changed.prompt.ids == engine.first_turn([ChatMessage(**m) for m in follow], None, changed.kwargs).ids

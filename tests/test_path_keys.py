@@ -1,6 +1,6 @@
 """Path digests decide what the tree walk decides: on generated session trees (branches, identical retries,
 reasoning kept, dropped or changed), `deepest_by_path` with one round of index lookups finds the same turn as
-`SessionStore.locate`'s walk, with the same ambiguity."""
+`MemoryTree.locate`'s walk, with the same ambiguity."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tito_addon.sessions.path_keys import ROOT, deepest_by_path, extend, node_digest, running
-from tito_addon.sessions.session_tree import SessionStore, TurnNode
+from tito_addon.sessions.session_tree import MemoryTree, TurnNode
 
 
 def key() -> bytes:
@@ -27,7 +27,7 @@ def test_running_digests_are_prefix_digests() -> None:
 
 @st.composite
 def trees_and_queries(draw):
-    store = SessionStore()
+    store = MemoryTree()
     session = store.new_session("s")
     nodes: list[TurnNode] = []
     paths: dict[int, tuple[list[bytes], list[str], list[str | None]]] = {}  # id(node) -> its path

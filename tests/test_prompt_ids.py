@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 from tito_addon.engine.prompt_ids import MAX_PIECES, EncodedPrefixes, PromptIds
-from tito_addon.sessions.session_tree import SessionStore
+from tito_addon.sessions.session_tree import MemoryTree
 
 
-def chain(store: SessionStore, turns: int, prefixes: EncodedPrefixes | None, empty_every: int = 0):
+def chain(store: MemoryTree, turns: int, prefixes: EncodedPrefixes | None, empty_every: int = 0):
     session = store.new_session("s")
     parent = None
     nodes = []
@@ -29,7 +29,7 @@ def chain(store: SessionStore, turns: int, prefixes: EncodedPrefixes | None, emp
 
 def test_cached_text_equals_a_fresh_encoding_of_the_tree() -> None:
     prefixes = EncodedPrefixes()
-    nodes = chain(SessionStore(), 6, prefixes)
+    nodes = chain(MemoryTree(), 6, prefixes)
     assert prefixes.hits == 5 and prefixes.misses == 0  # every continuation extended the cached text
     for node in nodes:
         assert json.loads(b"[" + b"".join(prefixes.get(node)) + b"]") == node.full_ids()
@@ -37,7 +37,7 @@ def test_cached_text_equals_a_fresh_encoding_of_the_tree() -> None:
 
 def test_a_long_session_is_sent_in_few_pieces_that_always_join_to_its_ids() -> None:
     prefixes = EncodedPrefixes()
-    nodes = chain(SessionStore(), 3 * MAX_PIECES + 5, prefixes, empty_every=7)  # some turns add no prompt ids
+    nodes = chain(MemoryTree(), 3 * MAX_PIECES + 5, prefixes, empty_every=7)  # some turns add no prompt ids
     counts = []
     for node in nodes:
         pieces = prefixes.get(node)
@@ -49,7 +49,7 @@ def test_a_long_session_is_sent_in_few_pieces_that_always_join_to_its_ids() -> N
 
 
 def test_without_a_cache_or_after_eviction_the_text_is_rebuilt_from_the_tree() -> None:
-    nodes = chain(SessionStore(), 4, None)
+    nodes = chain(MemoryTree(), 4, None)
     tiny = EncodedPrefixes(budget_bytes=600)
     extra = PromptIds(nodes[-1], [1, 2, 3], tiny)  # a miss: encoded from the tree
     assert json.loads(b"[" + extra.json + b"]") == nodes[-1].full_ids() + [1, 2, 3]

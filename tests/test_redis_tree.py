@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from tito_addon.sessions.path_keys import ROOT, extend
-from tito_addon.sessions.redis_tree import NewTurn, RedisTree, SessionGone, StoreUnavailable
+from tito_addon.sessions.redis_sessions import RedisSessions
+from tito_addon.sessions.redis_tree import NewTurn, RedisTree
 from tito_addon.sessions.session_ids import automatic_session_id
-from tito_addon.sessions.shared_sessions import SharedSessions
+from tito_addon.tito_errors import SessionGone, StoreUnavailable
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
@@ -125,7 +126,7 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
                                          template_kwargs={"x": 1}), now_ms=now())  # fmt: skip
         state, found = await reader.lookup(None, "ns", [first_path, second_path, extend(ROOT, keys[:3])])
         node = await reader.node(sid, 2)
-        shared = SharedSessions(reader)
+        shared = RedisSessions(reader)
         calls = []
         original = reader.client.pipeline
         reader.client.pipeline = lambda *a, **k: calls.append(a) or original(*a, **k)
@@ -236,15 +237,15 @@ def test_a_store_that_is_gone_is_a_clear_error() -> None:
 def test_the_proxys_client_serves_more_concurrent_turns_than_it_has_connections(redis_url) -> None:
     """Every turn in flight may await Redis at once: the proxy's client queues what its pool cannot hold (redis-py's
     default pool fails its 101st concurrent command with MaxConnectionsError, which was a 503 at 256 agents)."""
-    from tito_addon.proxy.shared_store import MAX_CONNECTIONS, SharedStore
+    from tito_addon.sessions.redis_tree import MAX_CONNECTIONS
 
     async def scenario() -> list:
-        store = SharedStore(redis_url)
+        store = RedisSessions.connect(redis_url)
         try:
             paths = [os.urandom(16) for _ in range(8)]
-            return await asyncio.gather(*(store.sessions.tree.lookup(None, "ns", paths) for _ in range(400)))
+            return await asyncio.gather(*(store.tree.lookup(None, "ns", paths) for _ in range(400)))
         finally:
-            await store.close()
+            await store.aclose()
 
     found = run(scenario())
     assert len(found) == 400 > 4 * MAX_CONNECTIONS and all(state is None for state, _ in found)

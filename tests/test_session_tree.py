@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.sessions.message_keys import message_key, reasoning_matches
-from tito_addon.sessions.session_tree import SessionStore
+from tito_addon.sessions.session_tree import MemoryTree
 
 
 def M(**kw) -> ChatMessage:
@@ -70,7 +70,7 @@ A2 = M(role="assistant", content="done", reasoning_content="think 2")
 
 
 def test_deepest_attachment_and_branches() -> None:
-    store = SessionStore()
+    store = MemoryTree()
     session = store.new_session("s1")
     t0 = commit(store, session, None, [], [SYSTEM, USER], A1)
     t1 = commit(store, session, t0, [SYSTEM, USER, A1], [TOOL], A2, ids=(4,), completion=(5, 6))
@@ -95,7 +95,7 @@ def test_deepest_attachment_and_branches() -> None:
 
 def test_few_shot_assistants_in_the_first_request_do_not_confuse_attachment() -> None:
     """Reference bug: checkpoints counted by role=assistant; here each turn knows its own message end."""
-    store = SessionStore()
+    store = MemoryTree()
     session = store.new_session("s")
     shot_q, shot_a = M(role="user", content="2+2?"), M(role="assistant", content="4")
     first = [SYSTEM, shot_q, shot_a, USER]
@@ -106,7 +106,7 @@ def test_few_shot_assistants_in_the_first_request_do_not_confuse_attachment() ->
 
 
 def test_automatic_sessions_are_found_by_their_messages() -> None:
-    store = SessionStore()
+    store = MemoryTree()
     s1, s2 = store.new_session(None), store.new_session(None)
     assert s1.automatic and s1.session_id != s2.session_id
     u1, u2 = M(role="user", content="task one"), M(role="user", content="task two")
@@ -123,7 +123,7 @@ def test_automatic_sessions_are_found_by_their_messages() -> None:
 
 
 def test_identical_siblings_are_resolved_deterministically_and_flagged() -> None:
-    store = SessionStore()
+    store = MemoryTree()
     session = store.new_session("s")
     a = commit(store, session, None, [], [USER], A1, completion=(7,))
     b = commit(store, session, None, [], [USER], A1, completion=(8,))
@@ -134,7 +134,7 @@ def test_identical_siblings_are_resolved_deterministically_and_flagged() -> None
 
 
 def test_sweep_closes_idle_then_least_recently_used_but_never_in_flight() -> None:
-    store = SessionStore(idle_timeout=100, max_sessions=2)
+    store = MemoryTree(idle_timeout=100, max_sessions=2)
     sessions = [store.new_session(f"s{i}") for i in range(4)]
     for i, session in enumerate(sessions):
         commit(store, session, None, [], [M(role="user", content=f"q{i}")], A1)
@@ -150,7 +150,7 @@ def test_sweep_closes_idle_then_least_recently_used_but_never_in_flight() -> Non
 
 
 def test_evicted_automatic_sessions_leave_the_indexes() -> None:
-    store = SessionStore(max_sessions=1)
+    store = MemoryTree(max_sessions=1)
     first, second = store.new_session(None), store.new_session(None)
     u1, u2 = M(role="user", content="one"), M(role="user", content="two")
     commit(store, first, None, [], [u1], A1)
@@ -162,7 +162,7 @@ def test_evicted_automatic_sessions_leave_the_indexes() -> None:
 
 
 def test_a_thousand_turn_history_is_located_without_recursion_limits() -> None:
-    store = SessionStore()
+    store = MemoryTree()
     session = store.new_session("long")
     history: list[ChatMessage] = []
     parent = None
@@ -184,7 +184,7 @@ def test_lookup_cost_does_not_grow_with_the_number_of_sessions(monkeypatch) -> N
     monkeypatch.setattr(TurnNode, "reasoning_compatible", lambda self, r, s: examined.append(self) or real(self, r, s))
     costs = []
     for count in (10, 2000):
-        store = SessionStore()
+        store = MemoryTree()
         last = None
         for i in range(count):
             session = store.new_session(None)

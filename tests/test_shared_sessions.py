@@ -20,6 +20,7 @@ import pytest
 from conftest import TOOLS, echo, tokenizer_path
 from proxy_harness import post
 
+from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.proxy_process import Mitmdump
 from tito_addon.sessions.session_tree import sweep_interval
@@ -240,7 +241,7 @@ def test_the_readmes_deployment_recipe_is_valid(tmp_path) -> None:
     assert check.returncode == 0, check.stdout + check.stderr
     assert "balance roundrobin" in config.group(1) and "cookie" not in config.group(1), "no stickiness"
     options = set(re.findall(r"--set (tito_\w+)=", recipe.split("```")[1]))
-    known = set(re.findall(r'"(tito_\w+)",', (REPO / "tito_addon" / "proxy" / "capture_addon.py").read_text()))
+    known = TitoSettings.option_names()
     assert options and options <= known, options - known
 
 

@@ -20,7 +20,7 @@ from tito_addon.records.record_reader import read_session, read_session_file
 from tito_addon.records.trainer_rows import encode_rows, schema, session_rows
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-from tito_addon.sessions.session_tree import SessionStore
+from tito_addon.sessions.memory_sessions import MemorySessions
 from tito_addon.turns.turn_service import TurnService
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def recordings(tmp_path_factory) -> Path:
     async def session(url: str) -> None:
         client = UpstreamClient()
         service = TurnService(
-            cached_engine("qwen3"), SglangBackend(client), SessionStore(), TrajectoryRecorder(record_dir)
+            cached_engine("qwen3"), SglangBackend(client), MemorySessions(), TrajectoryRecorder(record_dir)
         )
         await weather_tree(service, url)
         await client.close()
@@ -135,7 +135,7 @@ def annotated(tmp_path_factory) -> Path:
 
     async def session(url: str, replica: ReplicaThread) -> None:
         client = UpstreamClient()
-        service = TurnService(cached_engine("qwen3"), SglangBackend(client), SessionStore(), recorder)
+        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), recorder)
         await weather_tree(service, url, lambda step: setattr(replica.backend.config, "weight_version", f"v{step}"))
         replica.backend.config.weight_version = "v9"
         body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 5}

@@ -25,13 +25,27 @@ if __name__.startswith("__mitmproxy_script__."):
     for _name in [n for n in _sys.modules if n == "tito_addon" or n.startswith("tito_addon.")]:
         del _sys.modules[_name]
     from tito_addon.proxy.capture_addon import TitoAddon as _TitoAddon
+    from tito_addon.proxy.capture_addon import backend_of as _backend_of
     from tito_addon.proxy.control_addon import ControlAddon as _ControlAddon
     from tito_addon.proxy.episode_naming import EpisodeNaming as _EpisodeNaming
+    from tito_addon.proxy.flow_file_records import FlowFileRecords as _FlowFileRecords
     from tito_addon.proxy.replay_addon import TitoReplay as _TitoReplay
+    from tito_addon.proxy.session_addons import SessionListing as _SessionListing
+    from tito_addon.proxy.session_addons import SessionSweeper as _SessionSweeper
+    from tito_addon.proxy.turn_wiring import TurnWiring as _TurnWiring
 
-    _capture = _TitoAddon()
+    _wiring = _TurnWiring()
+    _capture = _TitoAddon(_wiring)
     # The control API answers its own host first; episode names are read (and API keys swapped) before any other
     # hook sees the request; replay then serves a recorded answer before the capture addon would go to the backend.
-    addons = [_ControlAddon(_capture), _EpisodeNaming(_capture.goes_to_backend), _TitoReplay(), _capture]
+    addons = [
+        _ControlAddon(_wiring),
+        _EpisodeNaming(lambda flow: _backend_of(_wiring, flow) is not None),
+        _TitoReplay(),
+        _capture,
+        _SessionSweeper(_wiring),
+        _SessionListing(_wiring),
+        _FlowFileRecords(_wiring),
+    ]
 else:
     __version__ = "0.1.0"

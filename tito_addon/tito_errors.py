@@ -84,3 +84,21 @@ class SessionClosed(TitoError):
             "nothing was forwarded"
         )
         self.session_id = session_id
+
+
+class StoreUnavailable(TitoError):
+    """The sessions' store cannot be reached or failed: the turn is refused (503), nothing forwarded or recorded."""
+
+    status = 503
+    error_type = "session_store_unavailable"
+
+
+class SessionGone(TitoError):
+    """The session (or the turn a request extends) closed between locating it and using it: send it again."""
+
+    status = 409
+    error_type = "session_closed"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} closed while this turn was in flight; send the request again")
+        self.session_id = session_id

@@ -19,7 +19,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 
 from tito_addon.protocols.http_reply import HttpReply, json_reply
-from tito_addon.proxy.capture_addon import TitoAddon
+from tito_addon.proxy.turn_wiring import TurnWiring
 from tito_addon.tito_errors import TitoError
 from tito_addon.turns.session_control import MAX_BODY, SessionControl
 
@@ -37,8 +37,8 @@ def unauthorized() -> http.Response:
 
 
 class ControlAddon:
-    def __init__(self, capture: TitoAddon) -> None:
-        self.control = SessionControl(lambda: capture.service)
+    def __init__(self, wiring: TurnWiring) -> None:
+        self.control = SessionControl(lambda: wiring.sessions)
         self.token = b""
         self.host = "tito.control"
 

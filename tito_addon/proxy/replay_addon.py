@@ -36,6 +36,8 @@ class TitoReplay:
     def configure(self, updated: set[str]) -> None:
         if "tito_replay_fallback" in updated and ctx.options.tito_replay_fallback not in ("404", "live"):
             raise exceptions.OptionsError("tito_replay_fallback must be 404 or live")
+        if "tito_message_memo_mb" in updated and self.service is not None:
+            self.service.resize_memos(self._memo_bytes())
         if "tito_replay_dir" not in updated:
             return
         directory = ctx.options.tito_replay_dir
@@ -46,7 +48,12 @@ class TitoReplay:
             self.index = ReplayIndex.load(Path(directory))
         except (RecordError, OSError, ValueError) as exc:
             raise exceptions.OptionsError(f"cannot replay {directory}: {exc}") from exc
-        self.service = ReplayService(self.index)
+        self.service = ReplayService(self.index, memo_bytes=self._memo_bytes())
+
+    @staticmethod
+    def _memo_bytes() -> int:
+        # The capture addon's option (this addon can run without it: then the default).
+        return int(getattr(ctx.options, "tito_message_memo_mb", 128)) * 1024 * 1024
 
     def running(self) -> None:
         # Said once both options are final: mitmproxy's own line names only the placeholder reverse target.
@@ -60,8 +67,11 @@ class TitoReplay:
         sessions = f"{self.index.sessions} session" + ("" if self.index.sessions == 1 else "s")
         logger.info(
             "tito: replaying %d recorded turns of %s from %s; a request with no recorded match: %s",
-            self.index.turns, sessions, ctx.options.tito_replay_dir, miss,
-        )  # fmt: skip
+            self.index.turns,
+            sessions,
+            ctx.options.tito_replay_dir,
+            miss,
+        )
 
     def request(self, flow: http.HTTPFlow) -> None:
         if self.index is None or flow.response is not None or not flow.live:

@@ -15,30 +15,107 @@ BACKEND_KINDS = ("sglang", "vllm")
 STORE_SCHEMES = ("redis", "rediss", "unix")
 
 
+OPTION_PREFIX = "tito_"
+
+
+def option(default: str | int | bool, help: str, **constraints: Any) -> Any:
+    """A setting declared once: the mitmproxy option `tito_NAME` (`default`'s type, `default`, `help`) and the field it
+    is validated into (the default goes through the same validators as a value the user sets)."""
+    return Field(default=default, validate_default=True, description=help, **constraints)
+
+
 class TitoSettings(BaseModel):
+    """Every `tito_*` option of the capture addon, as the proxy is configured with it. `declare_options` declares
+    them to mitmproxy and `from_options` reads them back; embedders and tests build settings directly."""
+
     model_config = ConfigDict(frozen=True)
 
-    backend_kind: str = "sglang"
-    backend_url: str | None = None
-    backends: dict[tuple[str, int | None], str | None] = Field(default_factory=dict)
-    tokenizer: str
-    model_family: str = "default"
-    record_dir: str = "recordings"
-    append_roles: tuple[str, ...] = ()  # (): the family's own (see TitoAddon._build_engine)
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    session_header: str = "x-session-id"
-    trust_remote_code: bool = False
-    upstream_timeout: float = 600.0
-    verify_prompt_echo: bool = False
-    record_message_text: bool = True
-    prefix_cache_mb: int = Field(default=256, ge=0, le=1024 * 1024)
-    message_memo_mb: int = Field(default=128, ge=0, le=1024 * 1024)
-    gc_threshold: int = Field(default=50_000, ge=0, le=10_000_000)
-    session_idle_timeout: float = 1800.0
-    max_sessions: int = 10000
-    signing_key: str = ""  # "": a key kept in the record dir
-    session_store: str = "memory"  # or a Redis URL: sessions shared by every proxy that names it
-    after_close: Literal["refuse", "new"] = "refuse"  # a name its driver closed: refused, or a new tree
+    backend_kind: str = option("sglang", "Backend protocol: sglang (input_ids) or vllm (render/generate/derender).")
+    backend_url: str | None = option(
+        "",
+        "Backend base URL. Default: the reverse-mode target, else $TITO_BACKEND_URL, $SGLANG_BASE_URL, "
+        "$VLLM_BASE_URL, else the request's own target.",
+    )
+    backends: dict[tuple[str, int | None], str | None] = option(
+        "",
+        "Comma-separated backend hosts, HOST[:PORT] or HOST[:PORT]=URL: when set, only chat requests to these "
+        "hosts are rewritten (URL: where that host's turns run).",
+    )
+    tokenizer: str = option("", "Tokenizer: a Hugging Face model name or a local directory.")
+    model_family: str = option("default", f"Boundary and template rules: {', '.join(FAMILIES)}.")
+    record_dir: str = option("recordings", "Directory for the per-session JSONL trajectories.")
+    append_roles: tuple[str, ...] = option(  # (): the family's own
+        "auto",
+        "Comma-separated roles a request may append to a stored turn; auto: every role the model family can "
+        "append (tool,user,system, less what the family refuses, e.g. system for deepseek-r1 and mistral).",
+    )
+    chat_template_kwargs: dict[str, Any] = option("", "JSON object of chat template kwargs applied to every render.")
+    session_header: str = option("x-session-id", "Request header that names the session.")
+    trust_remote_code: bool = option(False, "Allow the tokenizer to run code from its repository.")
+    upstream_timeout: float = option(600, "Seconds to wait for the backend before answering 504.")
+    verify_prompt_echo: bool = option(
+        False,
+        "sglang: have the backend echo the whole prompt on every turn and compare it id for id (by default the "
+        "echo is checked on the first turn per backend and the prompt length on every turn).",
+    )
+    record_message_text: bool = option(
+        True,
+        "Record the text of the messages each turn appends (needed by the drift audit). Off: only their digests "
+        "(enough to resume and replay), for agents whose tool results are large.",
+    )
+    prefix_cache_mb: int = option(
+        256,
+        "Memory for the ready-encoded ids of recent turns, so a long prompt is not re-encoded every turn.",
+        ge=0,
+        le=1024 * 1024,
+    )
+    message_memo_mb: int = option(
+        128,
+        "Memory for recent requests' validated messages, and as much again for each agent API's recent request "
+        "bytes (chat, Anthropic Messages, Responses), so a re-sent history is neither parsed nor validated again.",
+        ge=0,
+        le=1024 * 1024,
+    )
+    gc_threshold: int = option(
+        50_000,
+        "Allocations between two collections of the youngest generation of Python's garbage collector (Python's "
+        "default is 700); what exists once configured is frozen out of its walks (0: leave the collector as is).",
+        ge=0,
+        le=10_000_000,
+    )
+    session_idle_timeout: float = option(1800, "Close a session unused for this many seconds (0: never).")
+    signing_key: str = option(
+        "",
+        "Key that signs what agents echo back (thinking signatures, encrypted reasoning); proxies sharing sessions "
+        "share it. Empty: a key kept in the record dir (.tito-signing-key, made on first use).",
+    )
+    session_store: str = option(
+        "memory",
+        "Where sessions live: memory (this process) or a Redis URL (redis://HOST:PORT/DB, rediss://…, unix://…) "
+        "shared by every proxy that names it, so any of them serves any turn of any session.",
+    )
+    after_close: Literal["refuse", "new"] = option(
+        "refuse",
+        "A request naming a session its driver closed (control API): refuse (409, nothing forwarded) or new (the "
+        "name starts a new tree; turn ids continue, nothing extends the closed turns).",
+    )
+    max_sessions: int = option(10000, "Live sessions kept; the least recently used closes first (0: no limit).")
+
+    @classmethod
+    def declare_options(cls, loader: Any) -> None:
+        """Declare every setting as a mitmproxy option (`loader.add_option`), with its type, default and help."""
+        for name, field in cls.model_fields.items():
+            loader.add_option(OPTION_PREFIX + name, type(field.default), field.default, field.description)
+
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        return frozenset(OPTION_PREFIX + name for name in cls.model_fields)
+
+    @classmethod
+    def from_options(cls, options: Any) -> TitoSettings:
+        """The settings that mitmproxy's options (or any object with the `tito_*` attributes) hold now; a bad value
+        raises pydantic's ValidationError, which names the field."""
+        return cls(**{name: getattr(options, OPTION_PREFIX + name) for name in cls.model_fields})
 
     @field_validator("session_store")
     @classmethod

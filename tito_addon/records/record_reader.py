@@ -30,7 +30,6 @@ from tito_addon.records.record_models import (
 )
 from tito_addon.records.trajectory_recorder import SUFFIX, WRITER_ID, WRITER_SEPARATOR, session_file_name
 from tito_addon.sessions.message_keys import message_key
-from tito_addon.sessions.session_tree import Session, SessionStore, TurnNode
 
 logger = logging.getLogger(__name__)
 
@@ -238,26 +237,3 @@ def recorded_segment(turn: TurnRecord) -> tuple[list[bytes], ChatMessage]:
         keys = [bytes.fromhex(k) for k in turn.appended_keys or ()]
     keys.append(message_key(assistant))
     return keys, assistant
-
-
-def rebuild_session(store: SessionStore, session: Session, turns: list[TurnRecord]) -> dict[int, TurnNode]:
-    """Put recorded turns back into a session tree (resume after a restart, offline replay)."""
-    nodes: dict[int, TurnNode] = {}
-    for turn in turns:
-        parent = nodes[turn.parent_turn_id] if turn.parent_turn_id is not None else None
-        keys, assistant = recorded_segment(turn)
-        nodes[turn.turn_id] = store.commit(
-            session,
-            parent,
-            (parent.message_end if parent else 0) + len(keys),
-            tuple(keys),
-            (None,) * (len(keys) - 1) + (assistant.reasoning_text(),),
-            turn.prompt_added_ids,
-            turn.completion_ids,
-            turn.finish_reason,
-            turn.tools_sha256,
-            turn_id=turn.turn_id,
-            template_kwargs=turn.chat_template_kwargs,
-            reply_id=turn.reply_id,
-        )
-    return nodes

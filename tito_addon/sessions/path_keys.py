@@ -6,7 +6,7 @@ request reaches at that turn's end. So the deepest turn a request extends is fou
 turns) for the request's digests at its assistant positions, deepest first, and checking the reasoning of the
 hit's chain: one round of lookups whatever the history's depth, which is what a session store shared by several
 proxies (issue 13: Redis) needs, where a walk would cost a round trip per level. `deepest_by_path` decides
-exactly what `SessionStore.locate` decides (tested against it on generated trees).
+exactly what `MemoryTree.locate` decides (tested against it on generated trees).
 """
 
 from __future__ import annotations

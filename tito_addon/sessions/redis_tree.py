@@ -37,29 +37,16 @@ from typing import Any
 
 from tito_addon.sessions.message_keys import KEY_BYTES
 from tito_addon.sessions.redis_scripts import CLAIM, CLOSE, COMMIT, RESTORE
-from tito_addon.tito_errors import SessionClosed, TitoError
+from tito_addon.tito_errors import SessionClosed, SessionGone, StoreUnavailable
 
 TURN = 4  # bytes of a packed turn id
 AUTO_ID = 32  # automatic session ids are 32 hex characters
 TOMBSTONE_S = 7 * 24 * 3600  # how long a closed session's turn counter outlives it
-
-
-class StoreUnavailable(TitoError):
-    """The shared store cannot be reached or failed: the turn is refused (503), nothing forwarded or recorded."""
-
-    status = 503
-    error_type = "session_store_unavailable"
-
-
-class SessionGone(TitoError):
-    """The session (or the turn a request extends) closed between locating it and using it: send it again."""
-
-    status = 409
-    error_type = "session_closed"
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} closed while this turn was in flight; send the request again")
-        self.session_id = session_id
+CONNECT_TIMEOUT_S = 2.0
+COMMAND_TIMEOUT_S = 5.0
+# Every turn in flight may await Redis at once (each command holds a connection until its reply): beyond this many,
+# commands wait for a free connection instead of failing (redis-py's default pool refuses its 101st).
+MAX_CONNECTIONS = 64
 
 
 @dataclass(frozen=True)
@@ -122,6 +109,26 @@ def reasoning_digest(text: str | None) -> str:
 
 def namespace_hash(namespace: str) -> str:
     return hashlib.blake2b(namespace.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def redis_client(url: str) -> Any:
+    """A client with short timeouts, so a store that is gone costs a turn a prompt 503, not a hung agent; it
+    reconnects by itself when Redis is back."""
+    from redis.asyncio import BlockingConnectionPool, Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=COMMAND_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=COMMAND_TIMEOUT_S,
+        # A couple of quick retries ride out a dropped connection; an outage is answered within about a second.
+        retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
+        health_check_interval=30,
+    )
+    return Redis(connection_pool=pool)
 
 
 def _text(value: bytes | str | None) -> str:
@@ -294,6 +301,10 @@ class RedisTree:
         turns = int(await self._run(self._close(keys=[self._live], args=args)))
         return {-2: ("already", 0), -3: ("busy", 0), -1: ("unknown", 0)}.get(turns, ("closed", turns))
 
+    async def release(self, session_id: str, turn_id: int) -> None:
+        """A claimed turn that will not commit (its backend failed, its agent left) is no longer in flight."""
+        await self._run(self.client.zrem(f"{self.prefix}:b:{{{session_id}}}", turn_id))
+
     async def in_flight(self, session_id: str, *, now_ms: int) -> int:
         """Turns of the session in flight now (an abandoned claim past its deadline no longer counts)."""
         return int(await self._run(self.client.zcount(f"{self.prefix}:b:{{{session_id}}}", f"({now_ms}", "+inf")))
@@ -311,8 +322,9 @@ class RedisTree:
             for (sid, score), meta in zip(found, metas, strict=True)
         ]
 
-    async def restore(self, session_id: str, nodes: Sequence[StoredNode], paths: Sequence[bytes], *, now_ms: int,
-                      next_at_least: int) -> bool:  # fmt: skip
+    async def restore(
+        self, session_id: str, nodes: Sequence[StoredNode], paths: Sequence[bytes], *, now_ms: int, next_at_least: int
+    ) -> bool:
         """Put a named session's recorded turns back (all at once) unless it is live; False when it already was."""
         tokens = sum(len(node.added_ids) + len(node.completion_ids) for node in nodes)
         args: list[Any] = [session_id, now_ms, next_at_least, tokens]
@@ -349,9 +361,14 @@ def pack_node(node: NewTurn | StoredNode, path: bytes | None = None) -> bytes:
             "reply": node.reply_id}  # fmt: skip
     tail = json.dumps({k: v for k, v in rare.items() if v is not None}, sort_keys=True).encode()
     header = HEADER.pack(
-        -1 if node.parent_turn_id is None else node.parent_turn_id, node.message_end, len(node.segment_keys),
-        len(added) // TURN, len(completion) // TURN, len(chain) // TURN, bool(reasoning),
-    )  # fmt: skip
+        -1 if node.parent_turn_id is None else node.parent_turn_id,
+        node.message_end,
+        len(node.segment_keys),
+        len(added) // TURN,
+        len(completion) // TURN,
+        len(chain) // TURN,
+        bool(reasoning),
+    )
     return b"".join((header, *node.segment_keys, reasoning, path, added, completion, chain, tail))
 
 

@@ -17,9 +17,12 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tito_addon.sessions.message_keys import MessageKey, reasoning_matches
+
+if TYPE_CHECKING:
+    from tito_addon.sessions.session_space import NodeData, RecordedNode
 
 SegmentKey = tuple[MessageKey, ...]
 
@@ -154,8 +157,9 @@ def sweep_interval(idle_timeout: float) -> float:
     return min(SWEEP_INTERVAL_S, max(MIN_SWEEP_INTERVAL_S, idle_timeout / 4))
 
 
-class SessionStore:
-    """All live sessions in least-recently-used order, with prefix indexes over automatic sessions.
+class MemoryTree:
+    """This process's sessions (`MemorySessions` serves them to turns; replay indexes its recordings in one): all live
+    sessions in least-recently-used order, with prefix indexes over automatic sessions.
 
     `auto_roots` finds the session a request continues from its messages alone; `auto_prompts` groups identical
     first requests (a GRPO group, or retries) into one session whose samples are sibling roots. Lookups cost
@@ -332,3 +336,28 @@ class SessionStore:
                     self.auto_prompts[(live.namespace, prompt)] = live
                     live.prompt_keys.append(prompt)
         return node
+
+    def insert(self, session: Session, parent: TurnNode | None, data: NodeData, turn_id: int | None = None) -> TurnNode:
+        """`commit` of a turn's `NodeData` (a live turn's, or a recorded one's)."""
+        return self.commit(
+            session,
+            parent,
+            data.message_end,
+            data.segment_keys,
+            data.segment_reasoning,
+            data.added_ids,
+            data.completion_ids,
+            data.finish_reason,
+            data.tools_sha256,
+            turn_id=turn_id,
+            template_kwargs=data.template_kwargs,
+            reply_id=data.reply_id,
+        )
+
+    def put_back(self, session: Session, nodes: Iterable[RecordedNode]) -> dict[int, TurnNode]:
+        """Recorded turns (parents first) back into a session's tree: resume after a restart, offline replay."""
+        out: dict[int, TurnNode] = {}
+        for node in nodes:
+            parent = out[node.parent_turn_id] if node.parent_turn_id is not None else None
+            out[node.turn_id] = self.insert(session, parent, node, node.turn_id)
+        return out

@@ -1,18 +1,19 @@
 """A turn streamed to the agent as the backend generates it; committed only when the backend finishes it.
 
-The stream knows nothing of sessions: it is handed the commit to run on the backend's last event and the
-release to run however it ends, so the turn service keeps every state change in one place.
+The stream knows nothing of sessions: it is handed the turn's run, whose commit it runs on the backend's last event
+and whose claim it releases however it ends, so the turn service keeps every state change in one place (the same
+steps as a whole turn's).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from tito_addon.backends.backend_protocol import BackendResult, StreamEnd
-from tito_addon.protocols.agent_api import Responder, TurnOutcome
+from tito_addon.backends.backend_protocol import StreamEnd
 from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+from tito_addon.turns.turn_run import TurnRun
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +28,11 @@ class LiveStream:
         self,
         events: AsyncIterator[dict[str, Any] | StreamEnd],
         first: dict[str, Any] | StreamEnd,
-        responder: Responder,
-        *,
-        commit: Callable[[BackendResult], Awaitable[tuple[dict[str, Any], TurnOutcome]]],
-        release: Callable[[], None],
+        run: TurnRun,
     ) -> None:
-        self.events, self.first, self.responder = events, first, responder
-        self.commit, self.release = commit, release
-        self.headers = {**responder.stream_headers, "x-tito-stream": "live"}
+        self.events, self.first, self.run = events, first, run
+        self.responder = run.responder
+        self.headers = {**run.responder.stream_headers, "x-tito-stream": "live"}
         self.metadata: dict[str, Any] = {}
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -46,7 +44,7 @@ class LiveStream:
             event: dict[str, Any] | StreamEnd = self.first
             while True:
                 if isinstance(event, StreamEnd):
-                    self.metadata, outcome = await self.commit(event.result)
+                    self.metadata, outcome = await self.run.finish(event.result)
                     yield responder.stream_end(outcome, event.tail)
                     return
                 data = responder.stream_chunk(event)
@@ -59,4 +57,4 @@ class LiveStream:
             yield responder.stream_error(message)
         finally:
             await self.events.aclose()
-            self.release()
+            await self.run.release()

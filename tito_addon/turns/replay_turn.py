@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tito_addon.protocols.agent_api import AgentApi, ReplyContext, TurnOutcome
 from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.routing import agent_apis, find_route
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.records.replay_index import ReplayIndex, ReplayMiss, replay_completion
@@ -39,10 +40,16 @@ class Miss:
 
 
 class ReplayService:
-    def __init__(self, index: ReplayIndex, signer: TurnSigner | None = None) -> None:
+    def __init__(
+        self, index: ReplayIndex, signer: TurnSigner | None = None, memo_bytes: int = DEFAULT_BUDGET_BYTES
+    ) -> None:
         self.index = index
         self.signer = signer if signer is not None else TurnSigner(secrets.token_bytes(32))
-        self.apis: list[AgentApi] = agent_apis(self.signer)
+        self.apis: list[AgentApi] = agent_apis(self.signer, memo_bytes)
+
+    def resize_memos(self, memo_bytes: int) -> None:
+        for api in self.apis:
+            api.resize_memos(memo_bytes)
 
     def answer(self, path: str, body: bytes) -> HttpReply | Miss | None:
         """The reply (its metadata names the replayed turn); a miss; or None for a path no agent API has."""

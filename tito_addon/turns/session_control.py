@@ -3,8 +3,8 @@ wait until no turn of it is in flight, close it.
 
 No mitmproxy here: `handle(method, path, body)` answers one control request (the proxy's `control_addon` checks the
 token and the host first). Every record read runs off the event loop; what the stores say (live, in flight, last
-activity) is read from this process's tree (`memory`) or from Redis. Nothing but an annotation or a close line is
-ever written, and a refused request writes neither.
+activity) is asked of the sessions (`SessionSpace`), wherever they live. Nothing but an annotation or a close line
+is ever written, and a refused request writes neither.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from tito_addon.records.record_reader import (
 )
 from tito_addon.records.trainer_rows import FILE_TYPES, LAYOUTS, encode_rows, session_rows
 from tito_addon.sessions.session_ids import session_id_problem
+from tito_addon.sessions.session_space import SessionStatus
 from tito_addon.tito_errors import BadRequest, TitoError
-from tito_addon.turns.turn_service import TurnService
+from tito_addon.turns.session_records import SessionRecords
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ MAX_WAIT_S = 600.0
 POLL_S = 0.02
 ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata"}
 CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "application/jsonl"}
-MAX_CLOSED_NAMES = 65536
 
 
 class NotFound(TitoError):
@@ -71,16 +71,16 @@ def summary_of(recorded: SessionFile) -> dict[str, Any] | None:
 
 
 class SessionControl:
-    def __init__(self, service: Callable[[], TurnService | None]) -> None:
-        self._service = service
+    def __init__(self, sessions: Callable[[], SessionRecords | None]) -> None:
+        self._sessions = sessions  # the proxy's sessions and records as configured now (None: not configured)
         # Record summaries by base file name, kept while no part of the session changed (size, mtime).
         self._summaries: dict[str, tuple[tuple[tuple[str, int, int], ...], dict[str, Any] | None]] = {}
 
-    def service(self) -> TurnService:
-        service = self._service()
-        if service is None or service.recorder is None:
+    def sessions(self) -> SessionRecords:
+        sessions = self._sessions()
+        if sessions is None or sessions.recorder is None:
             raise TitoError("tito_addon is not configured (set tito_tokenizer)", status=503)
-        return service
+        return sessions
 
     async def handle(self, method: str, path: str, body: bytes) -> HttpReply:
         try:
@@ -138,7 +138,7 @@ class SessionControl:
     # -- reading ------------------------------------------------------------------------------------------------
 
     def _record_dir(self) -> Path:
-        recorder = self.service().recorder
+        recorder = self.sessions().recorder
         assert recorder is not None
         return recorder.record_dir
 
@@ -174,15 +174,8 @@ class SessionControl:
         return out
 
     async def _live(self, limit: int) -> dict[str, dict[str, Any]]:
-        """Live sessions: id -> live, last activity (and, in this process's tree, turns in flight)."""
-        service = self.service()
-        if service.shared is None:
-            return {
-                sid: {"live": True, "in_flight": s.inflight, "last_activity": s.last_used}
-                for sid, s in service.store.sessions.items()
-            }
-        found = await service.shared.sessions.tree.live_sessions(limit)
-        return {sid: {"live": True, "last_activity": last} for sid, last, _ in found}
+        """Live sessions: id -> live, last activity (and turns in flight, where the sessions count them)."""
+        return {status.session_id: state_of(status) for status in await self.sessions().sessions.live(limit)}
 
     async def list_sessions(self, query: dict[str, str]) -> HttpReply:
         limit = bounded_int(query.get("limit", "1000"), "limit", 1, 100000)
@@ -210,16 +203,7 @@ class SessionControl:
 
     async def _state(self, session_id: str) -> dict[str, Any]:
         """Whether the session is live and how many of its turns are in flight, wherever the sessions live."""
-        service = self.service()
-        if service.shared is None:
-            session = service.store.sessions.get(session_id)
-            if session is None:
-                return {"live": False, "in_flight": 0}
-            return {"live": True, "in_flight": session.inflight, "last_activity": session.last_used}
-        tree = service.shared.sessions.tree
-        meta = await tree.meta(session_id)
-        in_flight = await tree.in_flight(session_id, now_ms=int(time.time() * 1000))
-        return {"live": meta.get("closed") == "0", "in_flight": in_flight}
+        return state_of(await self.sessions().sessions.status(session_id))
 
     async def rows(self, session_id: str, query: dict[str, str]) -> HttpReply:
         layout = query.get("format", "generic")
@@ -265,7 +249,7 @@ class SessionControl:
             raise NotFound(f"session {session_id!r} has no recorded turns")
         if turn_id is not None and all(turn.turn_id != turn_id for turn in recorded.turns):
             raise NotFound(f"session {session_id!r} has no recorded turn {turn_id}")
-        recorder = self.service().recorder
+        recorder = self.sessions().recorder
         assert recorder is not None
         try:
             recorder.write_annotation(note)
@@ -295,20 +279,14 @@ class SessionControl:
         if unknown:
             raise BadRequest(f"unknown field(s): {', '.join(unknown)}; allowed: timeout")
         timeout = bounded_float(obj.get("timeout", 30), "timeout", 0.0, MAX_WAIT_S)
-        service = self.service()
         recorded = await self._recorded(session_id)
-        deadline = time.monotonic() + timeout
-        closed_now = await (self._close_memory if service.shared is None else self._close_shared)(session_id, deadline)
+        closed_now = await self._close(session_id, time.monotonic() + timeout)
         if closed_now is None and (recorded is None or not recorded.turns):
             raise NotFound(f"no session {session_id!r} is live or recorded")
         already = closed_now is None and recorded is not None and recorded.closed_by_driver
         turns = closed_now if closed_now is not None else len(recorded.turns if recorded is not None else ())
-        if service.shared is None:
-            service.closed_names[session_id] = time.time()
-            while len(service.closed_names) > MAX_CLOSED_NAMES:
-                service.closed_names.popitem(last=False)
         if not already:
-            recorder = service.recorder
+            recorder = self.sessions().recorder
             assert recorder is not None
             try:
                 recorder.close_session(session_id, turns, "closed")
@@ -318,25 +296,11 @@ class SessionControl:
         body_out = {"session_id": session_id, "closed": True, "turns": turns, "already_closed": already}
         return json_reply(200, dumps(body_out))
 
-    async def _close_memory(self, session_id: str, deadline: float) -> int | None:
+    async def _close(self, session_id: str, deadline: float) -> int | None:
         """Close the live session once no turn of it is in flight: its turns, or None when it was not live."""
-        store = self.service().store
+        sessions = self.sessions().sessions
         while True:
-            session = store.sessions.get(session_id)
-            if session is None:
-                return None
-            if session.inflight == 0:
-                store.remove(session)  # no await between the check and the removal: no turn can slip in
-                return session.turns
-            if time.monotonic() >= deadline:
-                raise busy(session_id)
-            await asyncio.sleep(POLL_S)
-
-    async def _close_shared(self, session_id: str, deadline: float) -> int | None:
-        shared = self.service().shared
-        assert shared is not None
-        while True:
-            status, turns = await shared.sessions.tree.close_by_driver(session_id, now_ms=int(time.time() * 1000))
+            status, turns = await sessions.close_by_driver(session_id)
             if status == "closed":
                 return turns
             if status != "busy":
@@ -344,6 +308,13 @@ class SessionControl:
             if time.monotonic() >= deadline:
                 raise busy(session_id)
             await asyncio.sleep(POLL_S)
+
+
+def state_of(status: SessionStatus) -> dict[str, Any]:
+    """What the control API says of a session's state: whether it is live, its turns in flight and last activity
+    where the sessions know them."""
+    fields = {"live": status.live, "in_flight": status.in_flight, "last_activity": status.last_activity}
+    return {key: value for key, value in fields.items() if value is not None}
 
 
 def checked_body(body: bytes) -> dict[str, Any]:

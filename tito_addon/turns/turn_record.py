@@ -6,17 +6,15 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tito_addon.backends.backend_protocol import BackendResult
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
-from tito_addon.sessions.message_keys import MessageKey, message_key
-from tito_addon.sessions.session_tree import TurnNode
-
-if TYPE_CHECKING:
-    from tito_addon.turns.turn_service import PreparedTurn
+from tito_addon.sessions.message_keys import message_key
+from tito_addon.sessions.session_space import NodeData
+from tito_addon.turns.turn_types import PreparedTurn
 
 SAMPLING_KEYS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "frequency_penalty",
@@ -34,18 +32,12 @@ def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
 
 @dataclass(frozen=True)
 class CompletedTurn:
-    """A turn the backend finished: its record line and the segment it adds to its session's tree."""
+    """A turn the backend finished: its record line, and what it adds to its session's tree."""
 
     session_id: str
-    reply_id: str | None
+    turn_id: int
     fields: dict[str, Any]  # the line's fields (`TurnRecord.line_fields`), for the line and for the flow metadata
-    segment_keys: tuple[MessageKey, ...]
-    segment_reasoning: tuple[str | None, ...]
-    assistant_reasoning: str | None
-    tools_sha256: str | None
-
-    def message_end(self, parent: TurnNode | None) -> int:
-        return (parent.message_end if parent else 0) + len(self.segment_keys)
+    node: NodeData
 
 
 def completed_turn(
@@ -65,7 +57,6 @@ def completed_turn(
     appended_keys = prepared.keys[len(prepared.keys) - len(prepared.appended) :]
     segment_keys = tuple(appended_keys) + (message_key(assistant),)
     reasoning = assistant.reasoning_text()
-    segment_reasoning = tuple(None for _ in prepared.appended) + (reasoning,)
     tools_sha = tools_digest(prepared.request.tools)
     request = prepared.request
     # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
@@ -115,4 +106,15 @@ def completed_turn(
         },
     })  # fmt: skip
     TurnRecord.model_validate(fields)
-    return CompletedTurn(session_id, reply_id or None, fields, segment_keys, segment_reasoning, reasoning, tools_sha)
+    node = NodeData(
+        message_end=(parent.message_end if parent else 0) + len(segment_keys),
+        segment_keys=segment_keys,
+        reasoning=reasoning,
+        added_ids=prepared.piece.ids,
+        completion_ids=result.completion_ids,
+        finish_reason=result.finish_reason,
+        tools_sha256=tools_sha,
+        template_kwargs=prepared.kwargs,
+        reply_id=reply_id or None,
+    )
+    return CompletedTurn(session_id, turn_id, fields, node)

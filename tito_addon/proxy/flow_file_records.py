@@ -1,0 +1,54 @@
+"""`mitmdump -r FILE`: a recorded flow's metadata holds its turn's record line; this addon writes it again.
+
+Every flow the capture addon rewrote carries its whole record line in `flow.metadata["tito"]["record"]`, so a `-w`
+flow file is enough to regenerate the trajectories offline, with or without a tokenizer. A turn already on disk is
+not written twice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mitmproxy import ctx, http
+
+from tito_addon.proxy.turn_wiring import TurnWiring
+from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.record_reader import read_session
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+
+logger = logging.getLogger(__name__)
+
+
+class FlowFileRecords:
+    def __init__(self, wiring: TurnWiring) -> None:
+        self.wiring = wiring
+        self.recorder: TrajectoryRecorder | None = None  # on tito_record_dir, when no turn service records
+        self._written: dict[str, set[int]] = {}  # turn ids on disk, per session read so far
+
+    def configure(self, updated: set[str]) -> None:
+        if "tito_record_dir" in updated:
+            self.recorder = TrajectoryRecorder(ctx.options.tito_record_dir)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        if flow.live:
+            return
+        record = (flow.metadata.get("tito") or {}).get("record")
+        if not isinstance(record, dict):
+            return
+        service = self.wiring.service
+        recorder = service.recorder if service is not None else self.recorder
+        if recorder is None:
+            return
+        try:
+            turn = TurnRecord.model_validate(record)
+        except ValueError:
+            logger.warning("tito: flow %s carries an unreadable record; skipped", flow.id)
+            return
+        known = self._written.get(turn.session_id)
+        if known is None:
+            recorded = read_session(recorder.record_dir, turn.session_id)
+            known = {t.turn_id for t in recorded.turns} if recorded is not None else set()
+            self._written[turn.session_id] = known
+        if turn.turn_id not in known:
+            recorder.write_turn(turn)
+            known.add(turn.turn_id)
