@@ -57,6 +57,17 @@ MITMPROXY_USERS = {"proxy", "tools"}
 FORBIDDEN_EVERYWHERE = {"torch"}
 MAX_LINES = 500
 LONG_REASON = "Why this module is long:"
+#: What the turn layer may import of `sessions`: the interface and the shapes it speaks in, never an implementation
+#: (`memory_sessions`, `redis_sessions`, `redis_tree`, ...), which only the proxy's wiring chooses.
+SESSIONS_INTERFACE = {
+    "tito_addon.sessions.session_space",
+    "tito_addon.sessions.session_tree",
+    "tito_addon.sessions.message_keys",
+    "tito_addon.sessions.session_ids",
+}
+ORCHESTRATOR = "tito_addon.turns.turn_service"
+#: A call or a signature with more arguments than this is formatted by the formatter, never packed under `fmt: skip`.
+PACKED_ARGUMENTS = 3
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,11 @@ def violations(root: Path) -> list[Violation]:
                 out.append(Violation(module, imported, "only proxy/ and tools/ import mitmproxy"))
             elif top == "tito_addon":
                 target = layer_of(imported, root)
+                if layer == "turns" and target == "sessions" and imported not in SESSIONS_INTERFACE:
+                    rule = f"the turn layer reaches sessions only through {sorted(SESSIONS_INTERFACE)}"
+                    out.append(Violation(module, imported, rule))
+                if layer == "turns" and module != ORCHESTRATOR and imported == ORCHESTRATOR:
+                    out.append(Violation(module, imported, "no module the orchestrator calls imports it back"))
                 if target == "replicas" and layer != "replicas" and module not in REPLICA_USERS:
                     out.append(Violation(module, imported, "replicas are imported only by the demo and tests"))
                 elif target != "replicas" and target not in ALLOWED[layer]:
@@ -145,6 +161,9 @@ def test_every_layer_is_a_sub_package_with_its_own_docstring() -> None:
 
 
 PLANTED = [
+    ("turns/planted.py", "from tito_addon.sessions.redis_sessions import RedisSessions\n", "only through"),
+    ("turns/planted.py", "from tito_addon.sessions import memory_sessions\n", "only through"),
+    ("turns/planted.py", "def lazy():\n    from tito_addon.turns.turn_service import TurnService\n", "imports it back"),
     ("engine/planted.py", "from tito_addon.proxy.capture_addon import TitoAddon\n", "engine may import only"),
     ("engine/planted.py", "from tito_addon.sessions.session_tree import TurnNode\n", "engine may import only"),
     ("sessions/planted.py", "from ..records import record_reader\n", "sessions may import only"),
@@ -182,6 +201,41 @@ def test_no_module_outside_replicas_is_long_without_a_reason() -> None:
         if lines > MAX_LINES:
             docstring = ast.get_docstring(ast.parse(text)) or ""
             assert LONG_REASON in docstring, f"{path.relative_to(REPO)} has {lines} lines and no '{LONG_REASON}'"
+
+
+def packed_under_fmt_skip(path: Path) -> list[int]:
+    """Lines of statements that `# fmt: skip` keeps from the formatter although they hold a call or a signature of
+    more than PACKED_ARGUMENTS arguments: the way a module was once squeezed under its line cap."""
+    text = path.read_text("utf-8")
+    lines = text.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = node.args
+            count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
+            header_end = node.body[0].lineno - 1
+            if count > PACKED_ARGUMENTS and any("fmt: skip" in line for line in lines[node.lineno - 1 : header_end]):
+                found.append(node.lineno)
+        elif isinstance(node, ast.stmt) and not hasattr(node, "body") and "fmt: skip" in lines[node.end_lineno - 1]:
+            calls = [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+            if any(len(call.args) + len(call.keywords) > PACKED_ARGUMENTS for call in calls):
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_no_call_or_signature_is_packed_under_fmt_skip() -> None:
+    packed = {str(p.relative_to(REPO)): packed_under_fmt_skip(p) for p in sorted(PACKAGE.rglob("*.py"))}
+    packed = {path: lines for path, lines in packed.items() if lines}
+    assert not packed, f"let the formatter lay these out (or cut the module where its concept ends): {packed}"
+
+
+def test_packing_under_fmt_skip_is_caught(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "def f(a, b, c, d,\n      e):  # fmt: skip\n    return g(a, b, c, d)  # fmt: skip\n"
+        "KEYS = frozenset({1, 2})  # fmt: skip\n"
+    )
+    assert packed_under_fmt_skip(planted) == [1, 3]
 
 
 def top_level_names() -> set[str]:

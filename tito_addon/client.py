@@ -72,8 +72,9 @@ class AsyncTitoClient:
             await self._session.close()
             self._session = None
 
-    async def _call(self, method: str, path: str = "", *, params: dict[str, Any] | None = None,
-                    body: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:  # fmt: skip
+    async def _call(
+        self, method: str, path: str = "", *, params: dict[str, Any] | None = None, body: dict[str, Any] | None = None
+    ) -> tuple[bytes, dict[str, str]]:
         if self._session is None:
             # trust_env off: the proxy is named explicitly, never taken (or bypassed) from the driver's environment
             self._session = aiohttp.ClientSession(timeout=self._timeout, trust_env=False)

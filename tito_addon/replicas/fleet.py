@@ -292,9 +292,15 @@ class ProxyFleet:
         cwd = self.workdir / f"proxy-{index}"
         cwd.mkdir(parents=True, exist_ok=True)
         proxy = FixedPortMitmdump(
-            self.backend_url, tokenizer=self.tokenizer, record_dir=self.record_dir, cwd=cwd, family=self.family,
-            options=self.options, extra_args=self.extra_args, listen_port=self.ports[index],
-        )  # fmt: skip
+            self.backend_url,
+            tokenizer=self.tokenizer,
+            record_dir=self.record_dir,
+            cwd=cwd,
+            family=self.family,
+            options=self.options,
+            extra_args=self.extra_args,
+            listen_port=self.ports[index],
+        )
         proxy.record_dir = self.record_dir
         return proxy
 

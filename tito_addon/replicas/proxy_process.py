@@ -103,9 +103,14 @@ class Mitmdump:
     def run_to_exit(self, timeout: float = 90.0) -> tuple[int, str]:
         """For a configuration that must be refused: wait for the process to exit on its own."""
         result = subprocess.run(
-            self.argv, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            self.argv,
+            cwd=self.cwd,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             timeout=timeout,
-        )  # fmt: skip
+        )
         return result.returncode, result.stdout
 
     @property

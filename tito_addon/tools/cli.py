@@ -199,8 +199,14 @@ def redrive_command(argv: list[str]) -> int:
         return 2
     table = Table("session", "turn", "tokens", "mean |Δ|", "max |Δ|", "KL est.")
     for turn in report.turns:
-        table.add_row(turn.session_id[:16], str(turn.turn_id), str(turn.tokens), f"{turn.mean_abs_diff:.4f}",
-                      f"{turn.max_abs_diff:.4f}", f"{turn.kl_estimate:+.4f}")  # fmt: skip
+        table.add_row(
+            turn.session_id[:16],
+            str(turn.turn_id),
+            str(turn.tokens),
+            f"{turn.mean_abs_diff:.4f}",
+            f"{turn.max_abs_diff:.4f}",
+            f"{turn.kl_estimate:+.4f}",
+        )
     console = Console()
     console.print(table)
     totals = report.totals()
@@ -256,8 +262,13 @@ def audit_command(argv: list[str]) -> int:
         kinds = audit.kinds()
         totals.update(kinds)
         drifted = sum(audit.per_turn.values())
-        table.add_row(audit.session_id[:16], str(audit.leaf_turn_id), str(audit.tokens), str(drifted),
-                      *(str(kinds.get(c, "")) for c in CLASSES))  # fmt: skip
+        table.add_row(
+            audit.session_id[:16],
+            str(audit.leaf_turn_id),
+            str(audit.tokens),
+            str(drifted),
+            *(str(kinds.get(c, "")) for c in CLASSES),
+        )
     console = Console(width=200)
     console.print(table)
     console.print(f"{len(audits)} branches; drift spans by kind: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
