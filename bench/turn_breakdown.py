@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import statistics
 import sys
@@ -59,9 +60,13 @@ def breakdown(turns: int, tokenizer: str) -> dict:
     from tito_addon.engine.token_engine import TokenEngine
     from tito_addon.engine.tokenizer_loading import load_tokenizer
     from tito_addon.protocols import openai_chat
-    from tito_addon.sessions.memory_sessions import MemorySessions
     from tito_addon.sessions.message_keys import message_key
     from tito_addon.turns.turn_service import TurnService
+
+    try:
+        from tito_addon.sessions.memory_sessions import MemorySessions as sessions_class
+    except ImportError:  # an older checkout: the turn service took this process's tree itself
+        from tito_addon.sessions.session_tree import SessionStore as sessions_class
 
     bodies = [agent_body({"model": "m", "messages": m}) for m in conversation(turns)]
     engine = TokenEngine(load_tokenizer(tokenizer, trust_remote_code=False), FAMILIES["qwen3"],
@@ -90,7 +95,7 @@ def breakdown(turns: int, tokenizer: str) -> dict:
         runner, port = await start_backend()
         base = f"http://127.0.0.1:{port}"
         client = UpstreamClient()
-        service = TurnService(engine, SglangBackend(client), MemorySessions(), None)
+        service = TurnService(engine, SglangBackend(client), sessions_class(), None)
         out: dict = {}
         prepared: dict[int, list[float]] = {}
         try:
@@ -99,7 +104,9 @@ def breakdown(turns: int, tokenizer: str) -> dict:
                 near = [c for c in CHECKPOINTS if abs(c - turn) <= 2]
                 if near:  # a turn's first preparation, as the proxy prepares it (a second one would be a retry)
                     started = time.perf_counter()
-                    await service.prepare("/v1/chat/completions", headers, body, base)
+                    preparing = service.prepare("/v1/chat/completions", headers, body, base)
+                    if inspect.isawaitable(preparing):  # async since the sessions' interface (issue 29)
+                        await preparing
                     prepared.setdefault(near[0], []).append(time.perf_counter() - started)
                 reply = await service.handle("/v1/chat/completions", headers, body, base)
                 assert reply.status == 200, reply.body[:200]
