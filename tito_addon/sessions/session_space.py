@@ -13,10 +13,12 @@ Everything here speaks in texts (reasoning) and ids; what Redis stores as digest
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tito_addon.canonical_chat import ChatMessage
 from tito_addon.sessions.message_keys import MessageKey
 from tito_addon.sessions.session_tree import Attachment, Session, TurnNode
 
@@ -32,14 +34,19 @@ class SessionState(enum.Enum):
 
 @dataclass(frozen=True)
 class Lookup:
-    """What a request says of where it goes: the session it names (None: an automatic one), its messages' keys, their
-    reasoning texts and roles, and its namespace (backend + model: automatic sessions never cross it)."""
+    """What a request says of where it goes: the session it names (None: an automatic one), its messages (their keys
+    and reasoning texts) and its namespace (backend + model: automatic sessions never cross it)."""
 
     session_id: str | None
+    messages: Sequence[ChatMessage]
     keys: Sequence[MessageKey]
     reasonings: Sequence[str | None]
-    roles: Sequence[str]
     namespace: str
+
+    @functools.cached_property
+    def roles(self) -> list[str]:
+        """Asked only where the sessions look turns up by path (Redis): not worth a walk over every message else."""
+        return [message.role for message in self.messages]
 
 
 @dataclass(frozen=True)

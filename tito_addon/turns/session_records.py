@@ -50,8 +50,7 @@ class SessionRecords:
     async def locate(self, parsed: ParsedRequest) -> Located:
         """Where a request attaches; a named session the sessions do not hold is put back from its records first."""
         named = parsed.session_id
-        roles = [m.role for m in parsed.agent.chat.messages]
-        lookup = Lookup(named, parsed.keys, parsed.reasonings, roles, parsed.namespace)
+        lookup = Lookup(named, parsed.agent.chat.messages, parsed.keys, parsed.reasonings, parsed.namespace)
 
         async def locate() -> Located:
             return await self.sessions.locate(lookup)
