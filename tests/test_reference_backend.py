@@ -638,9 +638,14 @@ def test_cli_flags_script_an_agents_own_tool_for_n_rounds_then_an_answer(tmp_pat
     ]
     command = {"command": "echo tito-ok", "description": "Print a marker"}
     script = ["--call-tool", "Missing={}", "--call-tool", f"Bash={json.dumps(command)}", "--tool-rounds", "2",
-              "--summary-answer", "We ran the marker command twice."]  # fmt: skip
+              "--summary-answer", "We ran the marker command twice.", "--context-length", "8192"]  # fmt: skip
     argv = ["tito_addon", "reference-backend", *script]
     with served(tmp_path, argv) as (_, port):
+        status, models, _ = http(f"http://127.0.0.1:{port}/v1/models")
+        assert status == 200 and models["data"][0]["max_model_len"] == 8192
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8192}
+        status, refused, _ = http(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+        assert status == 400 and "maximum context length of 8192 tokens" in refused["message"], refused
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Run it."}]
         for round_ in range(3):
             status, reply, raw = http(
@@ -681,6 +686,7 @@ def test_cli_flags_script_an_agents_own_tool_for_n_rounds_then_an_answer(tmp_pat
         (["--call-tool", "Bash=[1]"], "expected NAME=JSON"),
         (["--call-tool", "Bash={nope"], "the arguments are not JSON"),
         (["--tool-rounds", "-1"], "--tool-rounds must be 0 or more"),
+        (["--context-length", "1"], "--context-length must be 2 or more"),
     ],
 )
 def test_cli_refuses_bad_script_flags(flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ from conftest import cached_engine, tokenizer_path
 from upstream_tap import UpstreamTap
 
 from tito_addon.backends.backend_protocol import BackendTurn
-from tito_addon.backends.server_versions import ServerVersions
+from tito_addon.backends.server_facts import ServerFacts
 from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.backends.vllm_backend import VllmBackend
@@ -108,7 +108,7 @@ async def test_one_probe_per_url_shared_kept_and_not_cancelled_with_one_waiter()
         await release.wait()
         return None if url.endswith("unknown") else "1.0"
 
-    versions: ServerVersions[str | None] = ServerVersions(probe)
+    versions: ServerFacts[str | None] = ServerFacts(probe)
     waiters = [asyncio.ensure_future(versions.get(url, {})) for url in ("http://a", "http://a", "http://unknown")]
     await asyncio.sleep(0)
     waiters[0].cancel()  # its agent hung up: the probe goes on for the other waiter

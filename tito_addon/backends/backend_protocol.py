@@ -63,6 +63,10 @@ class Backend(Protocol):
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult: ...
 
+    async def context_length(self, base_url: str, headers: dict[str, str]) -> int | None:
+        """The server's context length (prompt + completion), asked once per backend; None when it does not say."""
+        ...
+
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         """Whether this backend can stream a turn with exact ids (else the finished turn is re-framed)."""
         ...

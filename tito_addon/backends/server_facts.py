@@ -1,4 +1,5 @@
-"""Each backend server's version, asked once per backend URL and kept for the proxy's life.
+"""What each backend server says of itself (its version, its context length), asked once per backend URL and kept
+for the proxy's life.
 
 A fresh proxy's first turns arrive together: they share one question to the server (one probe in flight per
 URL) instead of each asking. What a probe returns is kept, an "unknown" answer included (each kind's probe decides
@@ -9,17 +10,22 @@ get its error and the next turn asks again.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
+from tito_addon.backends.upstream_client import UpstreamClient
 
-class ServerVersions[V]:
+logger = logging.getLogger(__name__)
+
+
+class ServerFacts[V]:
     def __init__(self, probe: Callable[[str, dict[str, str]], Awaitable[V]]) -> None:
         self._probe = probe
         self._known: dict[str, V] = {}
         self._asking: dict[str, asyncio.Future[V]] = {}
 
     async def get(self, base_url: str, headers: dict[str, str]) -> V:
-        """The version of the server at `base_url`; probed (with the first asker's `headers`) until one is kept."""
+        """What the server at `base_url` says; probed (with the first asker's `headers`) until an answer is kept."""
         try:
             return self._known[base_url]
         except KeyError:  # only until the first probe of this backend ends
@@ -34,3 +40,20 @@ class ServerVersions[V]:
         found = await self._probe(base_url, headers)
         self._known[base_url] = found
         return found
+
+
+async def ask_context_length(client: UpstreamClient, base_url: str, headers: dict[str, str]) -> int | None:
+    """The server's context length: `max_model_len` of its model card at `/v1/models` (sglang and vLLM both say it
+    there; sglang's `/get_model_info` does not). None, kept, when the server answers without saying; a server that
+    does not answer at all raises (nothing is kept, the next turn asks again)."""
+    response = await client.get(base_url + "/v1/models", headers)
+    try:
+        cards = response.json().get("data") if response.status == 200 else None
+        found = cards[0].get("max_model_len") if isinstance(cards, list) and cards else None
+    except (ValueError, AttributeError):
+        found = None
+    if isinstance(found, bool) or not isinstance(found, int) or found <= 0:
+        logger.warning("tito: %s did not say its context length; completion budgets go as asked", base_url)
+        return None
+    logger.info("tito: %s serves a context of %d tokens", base_url, found)
+    return found

@@ -13,6 +13,7 @@ the proxy does for that turn.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from tito_addon.backends.backend_protocol import (
     weight_version_of,
 )
 from tito_addon.backends.parser_inputs import sglang_messages
-from tito_addon.backends.server_versions import ServerVersions
+from tito_addon.backends.server_facts import ServerFacts, ask_context_length
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
 from tito_addon.canonical_chat import ChatRequest
@@ -65,7 +66,8 @@ class SglangBackend:
         # Send only the messages sglang reads when given input_ids (`parser_inputs`), for the known families.
         self.compact_requests = compact_requests
         # None where neither server-info route said a version: kept, so the echo is then verified every turn.
-        self.versions = ServerVersions(self._ask_version)
+        self.versions = ServerFacts(self._ask_version)
+        self.contexts = ServerFacts(functools.partial(ask_context_length, client))
         self._echo_verified: set[str] = set()
 
     def check_request(self, request: ChatRequest) -> None:
@@ -84,6 +86,9 @@ class SglangBackend:
                 continue
         logger.info("tito: %s speaks sglang %s", base_url, ".".join(map(str, found)) if found else "(unknown)")
         return found
+
+    async def context_length(self, base_url: str, headers: dict[str, str]) -> int | None:
+        return await self.contexts.get(base_url, headers)
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # Streamed output ids exist only in the sglext block (0.5.20+); before that a turn is re-framed.

@@ -17,6 +17,7 @@ choices (streamed: the final chunk) carry `weight_versions` spans, recorded as t
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -36,7 +37,7 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
-from tito_addon.backends.server_versions import ServerVersions
+from tito_addon.backends.server_facts import ServerFacts, ask_context_length
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
@@ -90,7 +91,8 @@ class VllmBackend:
     ) -> None:
         self.client = client
         # Kept also where the server did not say (then only the 0.24 wire features are used).
-        self.versions = ServerVersions(self._ask_version)
+        self.versions = ServerFacts(self._ask_version)
+        self.contexts = ServerFacts(functools.partial(ask_context_length, client))
         # Derender the generate chunks that arrived during a streaming derender call as one (parsers that give
         # the same message however the output is chunked); else one call per chunk.
         self.merge_stream_chunks = merge_stream_chunks
@@ -100,6 +102,9 @@ class VllmBackend:
     def check_request(self, request: ChatRequest) -> None:
         if not request.model:
             raise BadRequest("model is required with the vLLM backend (derender needs it to name the served model)")
+
+    async def context_length(self, base_url: str, headers: dict[str, str]) -> int | None:
+        return await self.contexts.get(base_url, headers)
 
     async def _ask_version(self, base_url: str, headers: dict[str, str]) -> VllmVersion:
         try:

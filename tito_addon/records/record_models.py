@@ -39,6 +39,16 @@ class SegmentSpan(BaseModel):
     end: int
 
 
+class CompletionBudget(BaseModel):
+    """A completion budget cut to what the backend's context leaves after the prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    asked: int  # the agent's max_tokens (or max_completion_tokens)
+    sent: int  # what the backend got: the context length less the prompt, less one
+    context_length: int
+
+
 class TurnRecord(BaseModel):
     """One committed turn."""
 
@@ -85,6 +95,9 @@ class TurnRecord(BaseModel):
     weight_version: str | None = None
     # vLLM, only when the weights changed during the turn: [{version, start, end}] over `completion_ids`.
     weight_version_spans: list[dict[str, Any]] | None = None
+    # Only when the agent asked for more completion tokens than the backend's context leaves after the prompt: what
+    # it asked, what was sent instead, and the context length the server reported.
+    completion_budget: CompletionBudget | None = None
     tokenizer: TokenizerInfo
 
     @model_validator(mode="after")
@@ -119,7 +132,7 @@ def without_defaults(line: dict[str, Any]) -> dict[str, Any]:
 OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
-    "left_out": None, "weight_version": None, "weight_version_spans": None,
+    "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
 }  # fmt: skip
 
 

@@ -128,6 +128,12 @@ class ReplicaConfig(BaseModel):
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering a chat request")
     version: str = Field(default=SGLANG_VERSION, description="the sglang version it reports; sglext needs 0.5.20+")
     report_version: bool = Field(default=True, description="False: the server-info routes answer 404")
+    context_length: int = Field(
+        default=40960,
+        gt=1,
+        description="the model's context length (`max_model_len` at /v1/models); like sglang, a prompt plus its "
+        "max_tokens at or past it is a 400",
+    )
     checkpoint_shift: float = Field(
         default=0.0, description="scoring only (/generate): logprobs of a 'newer checkpoint', shifted by this much"
     )
@@ -804,7 +810,7 @@ class ReferenceBackend(ServedApp):
             "created": int(time.time()),
             "owned_by": "sglang",
             "root": MODEL_ID,
-            "max_model_len": 40960,
+            "max_model_len": self.config.context_length,
         }
         return _json_response({"object": "list", "data": [card]})
 
@@ -975,6 +981,24 @@ class ReferenceBackend(ServedApp):
             raise _BadRequest(f"Failed to apply chat template: {exc}") from exc
         return tok.encode(text)
 
+    def _check_context(self, prompt_len: int, body: dict[str, Any]) -> None:
+        """sglang's own refusals (its tokenizer manager's request validation), in its words."""
+        context = self.config.context_length
+        if prompt_len >= context:
+            raise _BadRequest(
+                f"The input ({prompt_len} tokens) is longer than the model's context length ({context} tokens)."
+            )
+        wanted = body.get("max_completion_tokens")
+        if wanted is None:
+            wanted = body.get("max_tokens")
+        if isinstance(wanted, int) and prompt_len + wanted >= context:
+            raise _BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested "
+                f"a total of {prompt_len + wanted} tokens: {prompt_len} tokens from the input messages and {wanted} "
+                "tokens for the completion. Please reduce the number of tokens in the input messages or the completion "
+                "to fit within the limit."
+            )
+
     def _noncanonical(
         self, text: str, spans: list[tuple[int, int]], fallback: list[tuple[int, int]]
     ) -> tuple[list[int], list[int]]:
@@ -983,6 +1007,7 @@ class ReferenceBackend(ServedApp):
     def _generate(self, body: dict[str, Any], t0: float) -> _Generation:
         tok = self.tokenizer
         prompt_ids = self._prompt_ids(body)
+        self._check_context(len(prompt_ids), body)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking") is not False
         script_body = body
@@ -1488,6 +1513,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the summary a compaction request gets (a last user message holding <summary> or CONTEXT CHECKPOINT "
         "COMPACTION): a text answer with this inside <summary> tags, never a tool call",
     )
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=40960,
+        metavar="N",
+        help="the model's context length it reports at /v1/models; a prompt plus its max_tokens at or past it is a "
+        "400, in sglang's words (default: 40960, Qwen3's)",
+    )
     args = ap.parse_args(argv)
     preferred: dict[str, dict[str, Any]] = {}
     for spec in args.call_tool:
@@ -1501,6 +1534,8 @@ def main(argv: list[str] | None = None) -> int:
         preferred.setdefault(name, parsed)
     if args.tool_rounds is not None and args.tool_rounds < 0:
         ap.error("--tool-rounds must be 0 or more")
+    if args.context_length < 2:
+        ap.error("--context-length must be 2 or more")
     config = ReplicaConfig(
         tokenizer=args.tokenizer,
         honor_input_ids=not args.old_sglang,
@@ -1509,6 +1544,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache=not args.no_prefix_cache,
         preferred_tools=preferred,
         tool_rounds=args.tool_rounds,
+        context_length=args.context_length,
         **({"summary_text": args.summary_answer} if args.summary_answer is not None else {}),
     )
     try:

@@ -51,6 +51,7 @@ def completed_turn(
     request_id: str | None,
     reply_id: str | None,
     record_message_text: bool,
+    completion_budget: dict[str, int] | None = None,
 ) -> CompletedTurn:
     assistant = ChatMessage.model_validate({**result.message, "role": "assistant"})
     parent = prepared.parent
@@ -98,6 +99,7 @@ def completed_turn(
         "backend_version": result.extra.get("backend_version"),
         "weight_version": result.weight_version,
         "weight_version_spans": result.weight_version_spans,
+        "completion_budget": completion_budget,
         "tokenizer": {
             "name": engine.tokenizer_name,
             "tokenizer_sha256": engine.tokenizer_sha256,

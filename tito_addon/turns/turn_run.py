@@ -27,15 +27,17 @@ class TurnRun:
     responder: Responder
     backend_turn: BackendTurn
     sessions: SessionRecords
-    # The turn's record line for the backend's result, once its session and turn id are settled.
-    record: Callable[[BackendResult, str, int], CompletedTurn]
+    # The turn's record line for the backend's result and its cut budget, once its session and turn id are settled.
+    record: Callable[[BackendResult, dict | None, str, int], CompletedTurn]
+    budget: dict | None = None  # the completion budget as cut to the backend's context, when it was
     released: bool = False
 
     async def finish(self, result: BackendResult) -> tuple[dict[str, Any], TurnOutcome]:
         """Commit a turn the backend completed; the flow metadata that describes it, and what the agent gets."""
         prepared = self.prepared
         result.message = self.responder.adapt(result.message)
-        node, done = await self.sessions.commit(self.claim, lambda sid, turn: self.record(result, sid, turn))
+        budget = self.budget
+        node, done = await self.sessions.commit(self.claim, lambda sid, turn: self.record(result, budget, sid, turn))
         prepared.prompt.remember(node, result.completion_ids)
         await self.sessions.sweep_inline()
         metadata = {

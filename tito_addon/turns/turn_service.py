@@ -30,6 +30,7 @@ from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import Claim, SessionSpace
 from tito_addon.sessions.session_tree import Attachment
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed
+from tito_addon.turns.completion_budget import fit_completion_budget
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.session_records import SessionRecords
 from tito_addon.turns.turn_record import CompletedTurn, completed_turn
@@ -206,6 +207,7 @@ class TurnService:
             return json_reply(200, route.api.count_tokens_body(len(prepared.prompt)))
         run = await self.start(prepared, headers, base_url)
         try:
+            await self.fit(run)
             result = await self.backend.run_turn(run.backend_turn)
             metadata, outcome = await run.finish(result)
         finally:
@@ -232,6 +234,11 @@ class TurnService:
             run = await self.start(prepared, headers, base_url)
         except TitoError as error:
             return error_reply(route.api, error)
+        try:
+            await self.fit(run)
+        except TitoError as error:
+            await run.release()
+            return error_reply(route.api, error)
         events = self.backend.stream_turn(run.backend_turn)
         try:
             first = await anext(events)
@@ -253,7 +260,7 @@ class TurnService:
             raise
         request_id = headers.get("x-request-id")
 
-        def record(result: BackendResult, session_id: str, turn_id: int) -> CompletedTurn:
+        def record(result: BackendResult, budget: dict | None, session_id: str, turn_id: int) -> CompletedTurn:
             return completed_turn(
                 prepared,
                 result,
@@ -264,11 +271,18 @@ class TurnService:
                 request_id=request_id,
                 reply_id=responder.reply_id,
                 record_message_text=self.record_message_text,
+                completion_budget=budget,
             )
 
-        return TurnRun(
-            prepared, claim, responder, self.backend_turn(prepared, headers, base_url), self.sessions, record
-        )
+        backend_turn = self.backend_turn(prepared, headers, base_url)
+        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, record)
+
+    async def fit(self, run: TurnRun) -> None:
+        """Cut the turn's completion budget to what the backend's context leaves after the prompt (asked of the
+        server once); a prompt that leaves no room is refused before anything is forwarded."""
+        turn = run.backend_turn
+        context_length = await self.backend.context_length(turn.base_url, turn.headers)
+        run.budget = fit_completion_budget(turn.chat_body, len(run.prepared.prompt), context_length)
 
     def backend_turn(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> BackendTurn:
         chat_body = dict(prepared.agent.chat_body)
