@@ -1,4 +1,5 @@
-"""A completion budget past the backend's context is cut to what the context leaves after the prompt (issue 30, part).
+"""What the backend serves, honoured (issue 30, part): a completion budget past its context is cut to what the
+context leaves after the prompt, and a side call under a model name it does not serve runs under the one it does.
 
 Claude Code asks for `max_tokens` up to 128k whatever the model serves. Through a real mitmdump, a budget past the
 context reaches the server as the largest it accepts (the context less the prompt, less one), the record says what
@@ -124,8 +125,24 @@ def test_vllm_budgets_are_cut_to_max_model_len(tmp_path) -> None:
             )
             reply = client.chat.completions.create(model="tiny-qwen3", messages=ASK, max_tokens=100_000)
             assert reply.choices[0].message is not None
+            # A side call under the agent's own small-model alias (vLLM answers 404 to a name it does not serve),
+            # whole and streamed: served under the one model there is, recorded under both names.
+            side = openai.OpenAI(
+                base_url=run.url + "/v1", api_key="k", max_retries=0, default_headers={"x-session-id": "vllm-side"}
+            )
+            served = side.chat.completions.create(model="claude-haiku-4-5", messages=ASK, max_tokens=64)
+            assert served.choices[0].message is not None
+            chunks = list(side.chat.completions.create(model="claude-haiku-4-5", messages=ASK, max_tokens=64,
+                                                       stream=True))  # fmt: skip
+            assert chunks
         (turn,) = turns_of(run, "vllm-budget")
         assert turn.completion_budget is not None
         assert turn.completion_budget.model_dump() == {
             "asked": 100_000, "sent": CONTEXT - turn.prompt_len - 1, "context_length": CONTEXT,
         }  # fmt: skip
+        assert turn.served_model is None  # the name it served
+        side_turns = turns_of(run, "vllm-side")
+        assert [(t.model, t.served_model) for t in side_turns] == [("claude-haiku-4-5", "tiny-qwen3")] * 2
+        # What crossed the wire to render and derender (generate takes the render's answer): the served name only.
+        names = {body.get("model") for path, body in vllm.received() if path.endswith(("/render", "/derender"))}
+        assert names == {"tiny-qwen3"}, names

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from tito_addon.backends.upstream_client import UpstreamClient
 
@@ -42,18 +43,34 @@ class ServerFacts[V]:
         return found
 
 
-async def ask_context_length(client: UpstreamClient, base_url: str, headers: dict[str, str]) -> int | None:
-    """The server's context length: `max_model_len` of its model card at `/v1/models` (sglang and vLLM both say it
-    there; sglang's `/get_model_info` does not). None, kept, when the server answers without saying; a server that
+@dataclass(frozen=True)
+class ServedModels:
+    """What a server's `/v1/models` says: the names it serves and its context length (None where it does not say)."""
+
+    names: tuple[str, ...] = ()
+    context_length: int | None = None
+
+    def name_for(self, asked: str | None) -> str | None:
+        """The served name a request for `asked` runs under: `asked` itself when served (or when the server named
+        nothing), else the server's first model, so a side call under another model name (an agent's small-model
+        alias) reaches the one model there is."""
+        return asked if not self.names or asked in self.names else self.names[0]
+
+
+async def ask_served_models(client: UpstreamClient, base_url: str, headers: dict[str, str]) -> ServedModels:
+    """The server's models and context length (`max_model_len` of its first card: sglang and vLLM both say it at
+    `/v1/models`; sglang's `/get_model_info` does not). Kept when the server answers without saying; a server that
     does not answer at all raises (nothing is kept, the next turn asks again)."""
     response = await client.get(base_url + "/v1/models", headers)
     try:
         cards = response.json().get("data") if response.status == 200 else None
-        found = cards[0].get("max_model_len") if isinstance(cards, list) and cards else None
     except (ValueError, AttributeError):
-        found = None
+        cards = None
+    cards = [card for card in cards if isinstance(card, dict)] if isinstance(cards, list) else []
+    names = tuple(card["id"] for card in cards if isinstance(card.get("id"), str))
+    found = cards[0].get("max_model_len") if cards else None
     if isinstance(found, bool) or not isinstance(found, int) or found <= 0:
         logger.warning("tito: %s did not say its context length; completion budgets go as asked", base_url)
-        return None
-    logger.info("tito: %s serves a context of %d tokens", base_url, found)
-    return found
+        return ServedModels(names)
+    logger.info("tito: %s serves %s with a context of %d tokens", base_url, ", ".join(names) or "a model", found)
+    return ServedModels(names, found)

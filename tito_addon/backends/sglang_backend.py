@@ -31,7 +31,7 @@ from tito_addon.backends.backend_protocol import (
     weight_version_of,
 )
 from tito_addon.backends.parser_inputs import sglang_messages
-from tito_addon.backends.server_facts import ServerFacts, ask_context_length
+from tito_addon.backends.server_facts import ServerFacts, ask_served_models
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
 from tito_addon.canonical_chat import ChatRequest
@@ -67,7 +67,7 @@ class SglangBackend:
         self.compact_requests = compact_requests
         # None where neither server-info route said a version: kept, so the echo is then verified every turn.
         self.versions = ServerFacts(self._ask_version)
-        self.contexts = ServerFacts(functools.partial(ask_context_length, client))
+        self.models = ServerFacts(functools.partial(ask_served_models, client))
         self._echo_verified: set[str] = set()
 
     def check_request(self, request: ChatRequest) -> None:
@@ -88,7 +88,7 @@ class SglangBackend:
         return found
 
     async def context_length(self, base_url: str, headers: dict[str, str]) -> int | None:
-        return await self.contexts.get(base_url, headers)
+        return (await self.models.get(base_url, headers)).context_length
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # Streamed output ids exist only in the sglext block (0.5.20+); before that a turn is re-framed.

@@ -37,7 +37,7 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
-from tito_addon.backends.server_facts import ServerFacts, ask_context_length
+from tito_addon.backends.server_facts import ServerFacts, ask_served_models
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.canonical_chat import ChatRequest
@@ -92,7 +92,7 @@ class VllmBackend:
         self.client = client
         # Kept also where the server did not say (then only the 0.24 wire features are used).
         self.versions = ServerFacts(self._ask_version)
-        self.contexts = ServerFacts(functools.partial(ask_context_length, client))
+        self.models = ServerFacts(functools.partial(ask_served_models, client))
         # Derender the generate chunks that arrived during a streaming derender call as one (parsers that give
         # the same message however the output is chunked); else one call per chunk.
         self.merge_stream_chunks = merge_stream_chunks
@@ -103,8 +103,19 @@ class VllmBackend:
         if not request.model:
             raise BadRequest("model is required with the vLLM backend (derender needs it to name the served model)")
 
+    async def served_chat_request(self, turn: BackendTurn) -> tuple[dict[str, Any], str | None]:
+        """`chat_request`, under a model name the server serves: vLLM answers 404 to any other, and agents make
+        side calls under their own small-model aliases. The served name, when it is not the one asked."""
+        chat = self.chat_request(turn)
+        asked = chat.get("model")
+        served = (await self.models.get(turn.base_url, turn.headers)).name_for(asked)
+        if served == asked:
+            return chat, None
+        chat["model"] = served
+        return chat, served
+
     async def context_length(self, base_url: str, headers: dict[str, str]) -> int | None:
-        return await self.contexts.get(base_url, headers)
+        return (await self.models.get(base_url, headers)).context_length
 
     async def _ask_version(self, base_url: str, headers: dict[str, str]) -> VllmVersion:
         try:
@@ -152,7 +163,7 @@ class VllmBackend:
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult:
         version = await self.versions.get(turn.base_url, turn.headers)
-        chat = self.chat_request(turn)
+        chat, served = await self.served_chat_request(turn)
         generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
         skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
         generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version)
@@ -179,6 +190,8 @@ class VllmBackend:
         )
         weights = generated["choices"][0].get("weight_versions")  # 0.32+
         result.weight_version, result.weight_version_spans = weight_spans_of(weights, len(completion_ids))
+        if served is not None:
+            result.extra["served_model"] = served
         return result
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
@@ -189,7 +202,7 @@ class VllmBackend:
         """Streaming generate on our ids; each generate chunk goes through streaming derender (parsers
         included) and on to the agent. Ids and logprobs come from generate, exactly as in a whole turn."""
         version = await self.versions.get(turn.base_url, turn.headers)
-        chat = self.chat_request(turn)
+        chat, served = await self.served_chat_request(turn)
         rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
         skew = render_skew(rendered.get("token_ids"), turn.prompt_ids)
         request = self.generate_request(rendered, chat, turn.prompt_ids, version)
@@ -294,6 +307,8 @@ class VllmBackend:
         message = accumulated.message()
         finish_reason = "tool_calls" if message.get("tool_calls") and finish == "stop" else finish
         extra = {"render_skew": skew, "backend_version": version.text}
+        if served is not None:
+            extra["served_model"] = served
         weight = weight_spans_of(weights, len(completion_ids))
         yield stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra, weight)
 

@@ -98,6 +98,9 @@ class TurnRecord(BaseModel):
     # Only when the agent asked for more completion tokens than the backend's context leaves after the prompt: what
     # it asked, what was sent instead, and the context length the server reported.
     completion_budget: CompletionBudget | None = None
+    # Only when the backend served the turn under another model name than the agent's (`model`): vLLM answers only to
+    # the names it serves, and an agent's side calls use their own small-model aliases.
+    served_model: str | None = None
     tokenizer: TokenizerInfo
 
     @model_validator(mode="after")
@@ -133,6 +136,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
+    "served_model": None,
 }  # fmt: skip
 
 

@@ -100,6 +100,7 @@ def completed_turn(
         "weight_version": result.weight_version,
         "weight_version_spans": result.weight_version_spans,
         "completion_budget": completion_budget,
+        "served_model": result.extra.get("served_model"),
         "tokenizer": {
             "name": engine.tokenizer_name,
             "tokenizer_sha256": engine.tokenizer_sha256,
