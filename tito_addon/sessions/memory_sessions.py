@@ -7,6 +7,7 @@ and the insert. A claim only marks the session it extends as in flight, so no sw
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -131,7 +132,7 @@ class MemorySessions:
         return self._status(session)
 
     async def live(self, limit: int) -> list[SessionStatus]:
-        return [self._status(session) for session in reversed(self.tree.sessions.values())][:limit]
+        return [self._status(session) for session in itertools.islice(reversed(self.tree.sessions.values()), limit)]
 
     @staticmethod
     def _status(session: Session) -> SessionStatus:
@@ -140,6 +141,4 @@ class MemorySessions:
             live=True,
             in_flight=session.inflight,
             last_activity=session.last_used,
-            turns=session.turns,
-            tokens=session.tokens,
         )

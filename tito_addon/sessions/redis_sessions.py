@@ -373,9 +373,4 @@ class RedisSessions:
 
     async def live(self, limit: int) -> list[SessionStatus]:
         found = await self.tree.live_sessions(limit)
-        return [
-            SessionStatus(
-                sid, live=True, in_flight=None, last_activity=last, turns=int(meta["turns"]), tokens=int(meta["tokens"])
-            )
-            for sid, last, meta in found
-        ]
+        return [SessionStatus(sid, live=True, in_flight=None, last_activity=last) for sid, last, meta in found]

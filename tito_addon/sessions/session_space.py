@@ -139,8 +139,6 @@ class SessionStatus:
     live: bool
     in_flight: int | None = 0  # None: not known here (a Redis listing)
     last_activity: float | None = None
-    turns: int | None = None
-    tokens: int | None = None
 
 
 class SessionSpace(Protocol):
