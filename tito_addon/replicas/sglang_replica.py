@@ -156,7 +156,15 @@ class ReplicaConfig(BaseModel):
         default_factory=dict,
         description="tool name -> fixed arguments: when a call turn offers one of these tools (first listed here "
         "wins) the script calls it with these arguments instead of the first tool with made-up ones; parallel "
-        "calls then repeat it",
+        "calls then repeat it. Two keys steer instead of being sent: `$once` (true: skip the tool once the "
+        "conversation holds a call to it) and `$agent_ids` (an argument to fill with the `agent_id`s the "
+        "conversation's tool results hold, as Codex's wait_agent needs; skip the tool while there are none)",
+    )
+    tool_budget: int | None = Field(
+        default=None,
+        ge=0,
+        description="None: no limit. N: once the replica has answered N tool-call turns (since its last reset), every "
+        "later turn answers: ends an agent whose contexts restart (compaction) whatever tool_rounds says",
     )
     tool_rounds: int | None = Field(
         default=None,
@@ -392,10 +400,45 @@ def _arguments_for(fn: dict[str, Any], word: str) -> dict[str, Any]:
     return args
 
 
-def _preferred_tool(fns: list[dict[str, Any]], preferred: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The first tool named in ``preferred`` that the request offers (the knob's order, not the request's)."""
+def _preferred_tool(
+    fns: list[dict[str, Any]], preferred: dict[str, dict[str, Any]], messages: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The first tool named in ``preferred`` that the request offers (the knob's order, not the request's), with its
+    arguments once the steering keys are applied (`$once`, `$agent_ids`)."""
     offered = {str(f["name"]): f for f in fns}
-    return next((offered[name] for name in preferred if name in offered), None)
+    called = {
+        str((call.get("function") or {}).get("name"))
+        for m in messages
+        if m.get("role") == "assistant"
+        for call in m.get("tool_calls") or []
+        if isinstance(call, dict)
+    }
+    for name, wanted in preferred.items():
+        if name not in offered or (wanted.get("$once") and name in called):
+            continue
+        args = {k: v for k, v in wanted.items() if k not in ("$once", "$agent_ids")}
+        if wanted.get("$agent_ids"):
+            ids = _agent_ids(messages)
+            if not ids:
+                continue
+            args[str(wanted["$agent_ids"])] = ids
+        return offered[name], args
+    return None
+
+
+def _agent_ids(messages: list[dict[str, Any]]) -> list[str]:
+    """The `agent_id`s of the conversation's tool results (Codex's spawn_agent answers `{"agent_id": …}`)."""
+    ids = []
+    for message in messages:
+        if message.get("role") != "tool":
+            continue
+        try:
+            found = json.loads(_text_of(message.get("content")))
+        except ValueError:
+            continue
+        if isinstance(found, dict) and isinstance(found.get("agent_id"), str):
+            ids.append(found["agent_id"])
+    return ids
 
 
 def _rounds_since_prompt(messages: list[dict[str, Any]]) -> int:
@@ -417,6 +460,7 @@ def _script_turn(
     tool_rounds: int | None = None,
     answer_sentences: int = 0,
     summary: tuple[tuple[str, ...], str] = ((), ""),
+    tools_left: bool = True,
 ) -> _Script:
     """Decide the completion deterministically from the request (messages, tools, tool_choice).
 
@@ -445,14 +489,16 @@ def _script_turn(
         wants_tool = _rounds_since_prompt(messages) < tool_rounds
     markers, summary_text = summary
     summarising = forced is None and any(marker in last_user for marker in markers)
+    wants_tool = wants_tool and tools_left
     call_turn = not summarising and bool(fns) and (forced is not None or tool_choice == "required" or wants_tool)
 
     if call_turn:
-        preferred = _preferred_tool(fns, preferred_tools or {}) if forced is None else None
+        steered = _preferred_tool(fns, preferred_tools or {}, messages) if forced is None else None
+        preferred = steered[0] if steered is not None else None
 
         def arguments(fn: dict[str, Any], salt: int) -> dict[str, Any]:
-            if preferred is not None:
-                return dict((preferred_tools or {})[str(fn["name"])])
+            if steered is not None:
+                return dict(steered[1])
             return _arguments_for(fn, _derive_word(last_user, salt=salt) if salt else word)
 
         first = forced or preferred or fns[0]
@@ -750,6 +796,7 @@ class ReferenceBackend(ServedApp):
         self.received: list[dict[str, Any]] = []
         # What each answered chat request generated (prompt and completion ids, logprobs), in order.
         self.generated: list[dict[str, Any]] = []
+        self.tool_turns = 0  # tool-call turns answered since the last reset (`tool_budget`)
         self.received_headers: list[dict[str, str]] = []
         self.scored: list[Any] = []  # bodies POSTed to native /generate (prompt scoring)
         self._faults: list[str] = []
@@ -790,6 +837,7 @@ class ReferenceBackend(ServedApp):
         with self._lock:
             self.received.clear()
             self.generated.clear()
+            self.tool_turns = 0
             self.received_headers.clear()
             self._faults.clear()
             self._cache.clear()
@@ -1024,7 +1072,11 @@ class ReferenceBackend(ServedApp):
             tool_rounds=self.config.tool_rounds,
             answer_sentences=self.config.answer_sentences,
             summary=(self.config.summary_markers, self.config.summary_text),
+            tools_left=self.config.tool_budget is None or self.tool_turns < self.config.tool_budget,
         )
+        if script.tool_calls:
+            with self._lock:
+                self.tool_turns += 1
         full_text, spans, fallback = _completion_text(script)
         ids, splits = self._noncanonical(full_text, spans, fallback)
         ids.append(tok.im_end)
