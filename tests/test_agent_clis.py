@@ -235,8 +235,9 @@ class CliRun:
         return f"{self.argv[-8:]} -> {self.returncode}\nstdout:\n{self.stdout[-4000:]}\nstderr:\n{self.stderr[-4000:]}"
 
 
-def run_cli(network: Network, argv: list[str], *, env: dict[str, str], cwd: Path) -> CliRun:
-    """One CLI invocation in the namespace, stdin closed, killed with its process group past CLI_TIMEOUT_S."""
+def run_cli(network: Network, argv: list[str], *, env: dict[str, str], cwd: Path, ok: tuple[int, ...] = (0,)) -> CliRun:
+    """One CLI invocation in the namespace, stdin closed, killed with its process group past CLI_TIMEOUT_S; its exit
+    status must be one of `ok`."""
     process = subprocess.Popen(
         network.command(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -248,7 +249,7 @@ def run_cli(network: Network, argv: list[str], *, env: dict[str, str], cwd: Path
         stdout, stderr = process.communicate()
         pytest.fail(f"{argv[:3]} ran past {CLI_TIMEOUT_S}s:\n{CliRun(argv, -9, stdout, stderr)}")
     run = CliRun(argv, process.returncode, stdout, stderr)
-    assert run.returncode == 0, str(run)
+    assert run.returncode in ok, str(run)
     return run
 
 

@@ -190,7 +190,7 @@ def test_the_cli_shows_and_exports_one_session_from_both_writers(tmp_path: Path)
     out = tmp_path / "out.parquet"
     result = cli("export", str(record_dir), str(out))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "3 branches from 1 sessions" in result.stdout
+    assert "3 segments from 1 sessions" in result.stdout
     import pyarrow.parquet as pq
 
     exported = pq.read_table(out).to_pylist()
@@ -286,22 +286,24 @@ def test_a_withdrawn_turn_is_left_out_but_its_id_stays_used(tmp_path: Path) -> N
 def test_annotations_are_read_from_every_part_and_change_no_trajectory(tmp_path: Path) -> None:
     """A driver's annotation lines (in any writer's part, after the close line too) are read as annotations, in
     time order; the turns, their ids, resume's next id and replay are as without them, and no line is skipped."""
-    from tito_addon.records.annotations import branch_notes
+    from tito_addon.records.episode_segments import episode_segments
     from tito_addon.records.record_models import AnnotationRecord
 
     writers = record(tmp_path, "s")
     writers["b"].write_annotation(AnnotationRecord(session_id="s", reward=0.5, labels=["x"], ts=10.0))
     writers["a"].write_annotation(AnnotationRecord(session_id="s", turn_id=4, reward=1.0, metadata={"k": 1}, ts=11.0))
     writers["c"].write_annotation(AnnotationRecord(session_id="s", turn_id=2, labels=["y", "x"], ts=12.0))
+    writers["c"].write_annotation(AnnotationRecord(session_id="s", turn_id=3, reward=0.25, scope="segment", ts=13.0))
     session = read_session(tmp_path, "s")
     assert session is not None and session.skipped == [] and session.full_ids() == expected_ids()
-    assert [(a.turn_id, a.ts) for a in session.annotations] == [(None, 10.0), (4, 11.0), (2, 12.0)]
+    assert [(a.turn_id, a.ts) for a in session.annotations] == [(None, 10.0), (4, 11.0), (2, 12.0), (3, 13.0)]
     assert session.highest_turn_id == max(TREE) and ReplayIndex.load(tmp_path).turns == len(TREE)
-    # Branch 0-1-2-4 takes turn 4's reward (the deepest); branch 0-1-2-5 the session's; branch 0-3 too.
-    assert branch_notes(session.annotations, [0, 1, 2, 4]).reward == 1.0
-    five = branch_notes(session.annotations, [0, 1, 2, 5])
-    assert (five.reward, five.labels, five.metadata) == (0.5, ["x", "y"], None)
-    assert branch_notes(session.annotations, [0, 3]).labels == ["x"]
+    notes = {segment.leaf.turn_id: segment.notes for segment in episode_segments([session])}
+    # One episode: turn 4's reward reaches every segment (written after the session's), labels and metadata too;
+    # turn 3's is scoped to its own segment, and wins there.
+    assert (notes[4].reward, notes[4].labels, notes[4].metadata) == (1.0, ["x", "y"], {"k": 1})
+    assert (notes[5].reward, notes[5].labels, notes[5].metadata) == (1.0, ["x", "y"], {"k": 1})
+    assert (notes[3].reward, notes[3].labels, notes[3].metadata) == (0.25, ["x", "y"], {"k": 1})
 
 
 def test_no_session_id_names_another_sessions_digest_file(tmp_path: Path) -> None:

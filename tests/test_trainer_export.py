@@ -83,7 +83,7 @@ def test_export_round_trips_through_datasets(recordings: Path, tmp_path: Path, f
         [sys.executable, "-m", "tito_addon", "export", str(recordings), str(out), "--format", fmt],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert "3 branches from 1 sessions" in result.stdout
+    assert "3 segments from 1 sessions" in result.stdout
     loader = "parquet" if fmt == "parquet" else "json"
     rows = list(datasets.load_dataset(loader, data_files=str(out), split="train"))
     assert len(rows) == 3
@@ -149,7 +149,7 @@ def annotated(tmp_path_factory) -> Path:
     assert [[t.turn_id for t in path] for path in recorded.branches()] == [[0, 1, 3], [0, 1, 2, 4], [5]]
     notes = [
         (None, {"reward": 0.5, "labels": ["x"], "metadata": {"task": "weather", "k": 1}}),
-        (0, {"reward": 0.25}),  # interior: every branch through it has a deeper reward
+        (0, {"reward": 0.25}),
         (1, {"labels": ["mid", "x"], "metadata": {"k": 2}}),
         (3, {"reward": 1.0, "labels": ["retry"]}),
         (2, {"reward": 0.0}),
@@ -161,12 +161,10 @@ def annotated(tmp_path_factory) -> Path:
     return record_dir
 
 
-#: What the annotations above say about each branch of `s` (leaf turn -> reward, labels, metadata), worked out by hand.
-EXPECTED_NOTES = {
-    3: (1.0, ["x", "mid", "retry"], {"task": "weather", "k": 2}),
-    4: (-1.0, ["x", "mid"], {"task": "weather", "k": 2}),
-    5: (0.5, ["x"], {"task": "weather", "k": 1, "city": "Rome"}),
-}
+#: What the annotations above say about each segment of `s` (leaf turn -> reward, labels, metadata), worked out by
+#: hand: one episode, so every note reaches every segment, the latest reward winning.
+EPISODE_NOTES = (-1.0, ["x", "mid", "retry"], {"task": "weather", "k": 2, "city": "Rome"})
+EXPECTED_NOTES = {3: EPISODE_NOTES, 4: EPISODE_NOTES, 5: EPISODE_NOTES}
 EXPECTED_WEIGHTS = {3: ["v0", "v1", "v2"], 4: ["v0", "v1", "v2", "v3"], 5: ["v3"]}
 
 
@@ -262,7 +260,7 @@ def test_each_layout_loads_and_its_token_arithmetic_holds(
     out = tmp_path / f"rows.{file_type}"
     result = run_export(annotated, out, "--format", layout, "--to", file_type)
     assert result.returncode == 0, result.stderr
-    assert f"4 branches from 2 sessions written to {out} ({layout}, {file_type})" in result.stdout
+    assert f"4 segments from 2 sessions written to {out} ({layout}, {file_type})" in result.stdout
     rows = load_rows(out, file_type, tmp_path)
     assert [(r["session_id"], r["leaf_turn_id"]) for r in rows] == [("s", 3), ("s", 4), ("s", 5), ("t", 0)]
     for row in rows:
@@ -302,7 +300,7 @@ def test_one_session_exports_exactly_what_the_control_api_encodes(
         out = tmp_path / f"{session}.{file_type}"
         result = run_export(annotated, out, "--session", session, "--format", layout, "--to", file_type)
         assert result.returncode == 0, result.stderr
-        assert "branches from 1 sessions" in result.stdout
+        assert "segments from 1 sessions" in result.stdout
         expected = encode_rows(session_rows(read_session(annotated, session), layout), layout, file_type)
         assert out.read_bytes() == expected
         again = tmp_path / f"again.{file_type}"
@@ -315,7 +313,7 @@ def test_one_session_exports_exactly_what_the_control_api_encodes(
 def test_session_filter_takes_several_and_refuses_an_unknown_one(annotated: Path, tmp_path: Path) -> None:
     out = tmp_path / "two.jsonl"
     result = run_export(annotated, out, "--session", "t", "--session", "s", "--session", "t", "--to", "jsonl")
-    assert result.returncode == 0 and "4 branches from 2 sessions" in result.stdout
+    assert result.returncode == 0 and "4 segments from 2 sessions" in result.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["session_id"], r["leaf_turn_id"]) for r in rows] == [("t", 0), ("s", 3), ("s", 4), ("s", 5)]
     missing = run_export(annotated, tmp_path / "none.parquet", "--session", "nobody")

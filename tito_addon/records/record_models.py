@@ -49,6 +49,24 @@ class CompletionBudget(BaseModel):
     context_length: int
 
 
+CALLS = ("main", "compaction", "subagent", "side")
+Call = Literal["main", "compaction", "subagent", "side"]
+
+
+class Follows(BaseModel):
+    """The turn a segment continues, named on the segment's first turn: for a context rebuilt after a compaction, the
+    summary turn; for a sub-agent, the parent turn whose tool call spawned it (and that call's id)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session: str
+    turn_id: int
+    tool_call_id: str | None = None
+    # How the link was found: the summary's text inside the new context (`summary`), a tool call's argument as the
+    # sub-agent's first message (`tool_argument`), or a compaction item this proxy minted (`compaction_item`).
+    how: Literal["summary", "tool_argument", "compaction_item"]
+
+
 class TurnRecord(BaseModel):
     """One committed turn."""
 
@@ -101,7 +119,19 @@ class TurnRecord(BaseModel):
     # Only when the backend served the turn under another model name than the agent's (`model`): vLLM answers only to
     # the names it serves, and an agent's side calls use their own small-model aliases.
     served_model: str | None = None
+    # The episode the turn belongs to (a named session's name; in an automatic session, `SESSION/ROOT_TURN` of the
+    # rollout's first turn), what kind of call it is, and on a segment's first turn that continues another, which
+    # turn that is. `call_reason`: why the rules placed it so, where a rule rather than its parent decided. Lines
+    # written before episodes existed lack them: readers take the session as the episode and every call as `main`.
+    episode: str | None = None
+    call: Call = "main"
+    follows: Follows | None = None
+    call_reason: str | None = None
     tokenizer: TokenizerInfo
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode if self.episode is not None else self.session_id
 
     @model_validator(mode="after")
     def _messages_or_keys(self) -> TurnRecord:
@@ -136,7 +166,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
-    "served_model": None,
+    "served_model": None, "follows": None, "call_reason": None,
 }  # fmt: skip
 
 
@@ -167,7 +197,7 @@ class AnnotationRecord(BaseModel):
 
     Its own line in the session file, after the turns it describes (often after the close line: an episode is
     scored once it has ended). Readers that rebuild trajectories (resume, replay, re-drive) leave it out; export
-    carries it into the rows of the branches it applies to (see `records/annotations`)."""
+    carries it into the rows of the segments it applies to (see `records/episode_segments`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -179,6 +209,9 @@ class AnnotationRecord(BaseModel):
         default=None, max_length=MAX_LABELS
     )
     metadata: dict[str, Any] | None = None
+    # An annotation on a turn reaches every segment of the turn's episode (`records/episode_segments`); `segment`:
+    # only the segment the turn is in. None: the episode.
+    scope: Literal["episode", "segment"] | None = None
     ts: float
 
     @model_validator(mode="after")

@@ -27,6 +27,8 @@ def recorded_nodes(turns: list[TurnRecord]) -> list[RecordedNode]:
                 tools_sha256=turn.tools_sha256,
                 template_kwargs=turn.chat_template_kwargs or None,
                 reply_id=turn.reply_id,
+                episode=turn.episode_id,
+                call=turn.call,
                 turn_id=turn.turn_id,
                 parent_turn_id=parent,
             )

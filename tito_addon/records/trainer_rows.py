@@ -1,8 +1,9 @@
-"""Trainer rows from recordings, what `export` writes and the control API serves: one row per branch (a root-to-leaf
-path of a session tree), in one of three layouts.
+"""Trainer rows from recordings, what `export` writes and the control API serves: one row per segment of an episode
+(a run of turns of one kind of call where each prompt extends the last; see `records/episode_segments`), in one of
+three layouts.
 
-- generic: the branch's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
-  `loss_mask` (1 exactly on the tokens the model sampled, in every turn of the branch), `rollout_logprobs` (the
+- generic: the segment's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
+  `loss_mask` (1 exactly on the tokens the model sampled, in every turn of the segment), `rollout_logprobs` (the
   sampled tokens' logprobs at their positions, 0 elsewhere), the conversation, per-turn finish reasons, the model
   and the tokenizer/template hashes that produced the ids.
 - verl: the split of verl's agent loop (`verl/experimental/agent_loop/agent_loop.py`): `prompts` is the first turn's
@@ -12,8 +13,9 @@ path of a session tree), in one of three layouts.
 - slime: the fields of slime's `Sample` (`slime/utils/types.py`): `tokens` (the whole branch), `response_length`,
   `loss_mask` and `rollout_log_probs` over the response part only, `prompt`/`response` text, `status`, `reward`.
 
-Every layout also carries the branch's ids (`session_id`, `leaf_turn_id`, `turn_ids`), what a driver's annotations
-say about it (`reward`, `labels`, `metadata` as JSON; see `records/annotations`), the backend's weight version of
+Every layout also carries the segment's ids (`session_id`, `leaf_turn_id`, `turn_ids`), its place (`episode`,
+`segment`: its order in the episode, `call`), what a driver's annotations say about its episode (`reward`,
+`labels`, `metadata` as JSON; see `records/episode_segments`), the backend's weight version of
 each turn (`weight_versions`) and the model and tokenizer hashes. The README's export section maps each field to its
 source. Parquet output has one fixed schema per layout and no timestamps, so equal rows give equal bytes.
 """
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.annotations import BranchNotes, branch_notes
-from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.episode_segments import Segment, SegmentNotes, episode_segments
+from tito_addon.records.record_models import CALLS, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files, read_session
 
 LAYOUTS = ("generic", "verl", "slime")
@@ -47,48 +49,70 @@ class ExportError(RecordError):
 
 @dataclass(frozen=True)
 class Branch:
-    """One root-to-leaf path: its full ids, where the model sampled, and what the annotations say of it."""
+    """One segment as a row: its full ids, where the model sampled, and what the annotations say of it."""
 
     path: list[TurnRecord]
     ids: list[int]  # the leaf's prompt + completion
-    mask: list[int]  # 1 on every sampled token of every turn of the path
+    mask: list[int]  # 1 on every sampled token of every turn of the segment
     logprobs: list[float]  # the sampled tokens' logprobs at their positions, 0 elsewhere
     messages: list[dict[str, Any]] | None  # None when the session was recorded without message text
-    notes: BranchNotes
+    notes: SegmentNotes
+    episode: str
+    segment: int
 
     @property
     def prompt_len(self) -> int:
-        """The first turn's prompt: the part no turn of the branch sampled or appended."""
+        """The first turn's prompt: the part no turn of the segment sampled or appended."""
         return self.path[0].prompt_len
 
 
-def branches(session_file: SessionFile) -> list[Branch]:
-    """Every root-to-leaf path of the session's tree, in the order the leaves were recorded."""
-    ids = session_file.full_ids()
-    out: list[Branch] = []
-    for path in session_file.branches():
-        prompt, completion = ids[path[-1].turn_id]
-        sequence = prompt + completion
-        mask = [0] * len(sequence)
-        logprobs = [0.0] * len(sequence)
-        messages: list[dict[str, Any]] | None = []
-        for turn in path:
-            start = turn.prompt_len  # the turn's completion follows its prompt in every descendant's sequence
-            for offset, value in enumerate(turn.completion_logprobs):
-                mask[start + offset] = 1
-                logprobs[start + offset] = value
-            if messages is not None and turn.appended_messages is not None:
-                messages += turn.appended_messages + [turn.assistant_message]
-            else:
-                messages = None
-        notes = branch_notes(session_file.annotations, [t.turn_id for t in path])
-        out.append(Branch(path, sequence, mask, logprobs, messages, notes))
-    return out
+def branch_of(segment: Segment, ids: dict[int, tuple[list[int], list[int]]]) -> Branch:
+    path = segment.path
+    prompt, completion = ids[path[-1].turn_id]
+    sequence = prompt + completion
+    mask = [0] * len(sequence)
+    logprobs = [0.0] * len(sequence)
+    messages: list[dict[str, Any]] | None = []
+    for turn in path:
+        start = turn.prompt_len  # the turn's completion follows its prompt in every descendant's sequence
+        for offset, value in enumerate(turn.completion_logprobs):
+            mask[start + offset] = 1
+            logprobs[start + offset] = value
+        if messages is not None and turn.appended_messages is not None:
+            messages += turn.appended_messages + [turn.assistant_message]
+        else:
+            messages = None
+    return Branch(path, sequence, mask, logprobs, messages, segment.notes, segment.episode, segment.index)
+
+
+def branches(files: list[SessionFile], calls: Any = None) -> list[Branch]:
+    """Every segment of every episode of `files` (only those of `calls`, None: all), episode by episode."""
+    # Rebuilt first: that proves every parent recorded, before segments walk up to them.
+    full = {id(session_file): session_file.full_ids() for session_file in files}
+    return [branch_of(segment, full[id(segment.session)]) for segment in episode_segments(files, calls)]
+
+
+def parse_calls(value: str | None) -> list[str] | None:
+    """`--calls main,compaction,subagent` (the `calls` query of the control API); None or empty: every call."""
+    if not value:
+        return None
+    calls = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = sorted(set(calls) - set(CALLS))
+    if unknown:
+        raise ValueError(f"unknown call(s) {', '.join(unknown)}; choose from: {', '.join(CALLS)}")
+    return calls
 
 
 def _head(branch: Branch) -> dict[str, Any]:
     leaf = branch.path[-1]
-    return {"session_id": leaf.session_id, "leaf_turn_id": leaf.turn_id, "turn_ids": [t.turn_id for t in branch.path]}
+    return {
+        "session_id": leaf.session_id,
+        "leaf_turn_id": leaf.turn_id,
+        "turn_ids": [t.turn_id for t in branch.path],
+        "episode": branch.episode,
+        "segment": branch.segment,
+        "call": leaf.call,
+    }
 
 
 def _tail(branch: Branch) -> dict[str, Any]:
@@ -182,14 +206,18 @@ def slime_row(branch: Branch, index: int = 0, group_index: int = 0) -> dict[str,
     }
 
 
-def session_rows(session_file: SessionFile, layout: str) -> list[dict[str, Any]]:
-    """The rows of one session's branches in `layout` (one of `LAYOUTS`).
+def session_rows(session_file: SessionFile, layout: str, calls: list[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of one session's segments (of `calls` only, None: all) in `layout` (one of `LAYOUTS`).
 
-    slime rows number their branches from 0 (`index`) in group 0 (`group_index`); `export` renumbers them across
+    slime rows number their segments from 0 (`index`) in group 0 (`group_index`); `export` renumbers them across
     the sessions it writes together (one session alone keeps these numbers)."""
+    return rows_of([session_file], layout, calls)
+
+
+def rows_of(files: list[SessionFile], layout: str, calls: list[str] | None = None) -> list[dict[str, Any]]:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
-    found = branches(session_file)
+    found = branches(files, calls)
     if layout == "verl":
         return [verl_row(branch) for branch in found]
     if layout == "slime":
@@ -210,7 +238,14 @@ def schema(layout: str) -> Any:
         pa.list_(pa.float64()),
         pa.list_(pa.string()),
     )
-    head = [("session_id", pa.string()), ("leaf_turn_id", pa.int64()), ("turn_ids", ids)]
+    head = [
+        ("session_id", pa.string()),
+        ("leaf_turn_id", pa.int64()),
+        ("turn_ids", ids),
+        ("episode", pa.string()),
+        ("segment", pa.int64()),
+        ("call", pa.string()),
+    ]
     tail = [
         ("reward", pa.float64()),
         ("labels", strings),
@@ -295,9 +330,10 @@ def export(
     *,
     file_type: str | None = None,
     sessions: list[str] | None = None,
+    calls: list[str] | None = None,
 ) -> int:
-    """Write every branch of every session under `record_dir` (or of the named `sessions` only) to `out`;
-    returns the number of rows."""
+    """Write every segment of every episode under `record_dir` (or of the named `sessions` only; of `calls` only) to
+    `out`; returns the number of rows."""
     layout, file_type = resolve_format(fmt, file_type)
     if not record_dir.is_dir():
         raise RecordError(f"{record_dir} is not a directory")
@@ -308,19 +344,22 @@ def export(
             if found is None:
                 raise RecordError(f"no session {session_id!r} in {record_dir}")
             files.append(found)
+            if progress is not None:
+                progress()
     else:
-        files = list(iter_session_files(record_dir))
-    rows: list[dict[str, Any]] = []
-    for group, session_file in enumerate(files):
-        part = session_rows(session_file, layout)
-        if layout == "slime":
-            for row in part:
-                row["group_index"], row["index"] = group, len(rows)
-                rows.append(row)
-        else:
-            rows += part
-        if progress is not None:
-            progress()
+        files = []
+        for session_file in iter_session_files(record_dir):
+            files.append(session_file)
+            if progress is not None:
+                progress()
+    # An episode's segments may lie in several sessions: the rows are made from all of them together.
+    rows = rows_of(files, layout, calls)
+    if layout == "slime":
+        groups = {
+            session_file.turns[0].session_id: group for group, session_file in enumerate(files) if session_file.turns
+        }
+        for index, row in enumerate(rows):
+            row["group_index"], row["index"] = groups[row["session_id"]], index
     data = encode_rows(rows, layout, file_type)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)

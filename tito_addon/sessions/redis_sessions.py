@@ -185,6 +185,8 @@ class RedisSessions:
             finish_reason=node.finish_reason,
             tools_sha256=node.tools_sha256,
             template_kwargs=node.template_kwargs,
+            episode=node.episode,
+            call=node.call,
             path=extend(parent.path if parent is not None else ROOT, node.segment_keys),
             chain=node.chain,
         )
@@ -270,6 +272,8 @@ class RedisSessions:
                 tools_sha256=data.tools_sha256,
                 template_kwargs=data.template_kwargs,
                 reply_id=data.reply_id,
+                episode=data.episode,
+                call=data.call,
             ),
             now_ms=int(time.time() * 1000),
         )
@@ -286,6 +290,8 @@ class RedisSessions:
             finish_reason=data.finish_reason,
             tools_sha256=data.tools_sha256,
             template_kwargs=data.template_kwargs or None,
+            episode=data.episode,
+            call=data.call,
             path=path,
             chain=chain,
         )
@@ -335,6 +341,8 @@ class RedisSessions:
                     template_kwargs=node.template_kwargs,
                     reply_id=node.reply_id,
                     chain=chains[node.turn_id],
+                    episode=node.episode,
+                    call=node.call,
                 )
             )
         return await self.tree.restore(

@@ -66,6 +66,8 @@ class StoredNode:
     template_kwargs: dict[str, Any] | None
     reply_id: str | None
     chain: tuple[int, ...] = ()  # ancestors' turn ids, root first
+    episode: str | None = None
+    call: str = "main"
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class NewTurn:
     tools_sha256: str | None = None
     template_kwargs: dict[str, Any] | None = None
     reply_id: str | None = None
+    episode: str | None = None
+    call: str = "main"
 
 
 def pack_ids(ids: Any) -> bytes:
@@ -358,7 +362,8 @@ def pack_node(node: NewTurn | StoredNode, path: bytes | None = None) -> bytes:
         raise ValueError("a reasoning digest is 16 bytes")
     added, completion, chain = pack_ids(node.added_ids), pack_ids(node.completion_ids), pack_ids(node.chain)
     rare = {"finish": node.finish_reason, "tools": node.tools_sha256, "kwargs": node.template_kwargs or None,
-            "reply": node.reply_id}  # fmt: skip
+            "reply": node.reply_id, "episode": node.episode,
+            "call": None if node.call == "main" else node.call}  # fmt: skip
     tail = json.dumps({k: v for k, v in rare.items() if v is not None}, sort_keys=True).encode()
     header = HEADER.pack(
         -1 if node.parent_turn_id is None else node.parent_turn_id,
@@ -413,4 +418,6 @@ def parse_node(session_id: str, turn_id: int, blob: bytes) -> StoredNode:
         template_kwargs=rare.get("kwargs"),
         reply_id=rare.get("reply"),
         chain=tuple(spans[2]),
+        episode=rare.get("episode"),
+        call=rare.get("call", "main"),
     )

@@ -105,6 +105,9 @@ class NodeData:
     tools_sha256: str | None = None
     template_kwargs: dict[str, Any] | None = None
     reply_id: str | None = None
+    # The turn's place in its episode (see `turns/episode_places`): what its children inherit.
+    episode: str | None = None
+    call: str = "main"
 
     @property
     def segment_reasoning(self) -> tuple[str | None, ...]:

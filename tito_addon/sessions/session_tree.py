@@ -78,6 +78,9 @@ class TurnNode:
     tools_sha256: str | None = None
     # The chat template kwargs the turn's prompt was built with (one shared dict per distinct value).
     template_kwargs: dict[str, Any] | None = None
+    # Its episode and kind of call (main, compaction, subagent, side): a continuation inherits them.
+    episode: str | None = None
+    call: str = "main"
     children: ChildIndex = field(default_factory=ChildIndex)
 
     @property
@@ -298,6 +301,8 @@ class MemoryTree:
         turn_id: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
         reply_id: str | None = None,
+        episode: str | None = None,
+        call: str = "main",
     ) -> TurnNode:
         """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
         live = self.sessions.setdefault(session.session_id, session)
@@ -316,6 +321,8 @@ class MemoryTree:
             finish_reason=finish_reason,
             tools_sha256=tools_sha256,
             template_kwargs=self._interned(template_kwargs),
+            episode=episode,
+            call=call,
         )
         live.next_turn_id = max(live.next_turn_id, turn_id + 1)
         live.turns += 1
@@ -352,6 +359,8 @@ class MemoryTree:
             turn_id=turn_id,
             template_kwargs=data.template_kwargs,
             reply_id=data.reply_id,
+            episode=data.episode,
+            call=data.call,
         )
 
     def put_back(self, session: Session, nodes: Iterable[RecordedNode]) -> dict[int, TurnNode]:

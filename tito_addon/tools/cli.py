@@ -89,6 +89,9 @@ def show(argv: list[str]) -> int:
                         "parent_turn_id": turn.parent_turn_id,
                         "api": turn.api,
                         "reply_id": turn.reply_id,
+                        "episode": turn.episode_id,
+                        "call": turn.call,
+                        "follows": turn.follows.model_dump(exclude_none=True) if turn.follows else None,
                         "prompt_ids": prompt,
                         "completion_ids": completion,
                         "completion_logprobs": turn.completion_logprobs,
@@ -116,7 +119,7 @@ def show(argv: list[str]) -> int:
 def export_command(argv: list[str]) -> int:
     from rich.progress import Progress
 
-    from tito_addon.records.trainer_rows import FILE_TYPES, FORMATS, export, resolve_format
+    from tito_addon.records.trainer_rows import FILE_TYPES, FORMATS, export, parse_calls, resolve_format
 
     parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export branches for trainers.")
     parser.add_argument("record_dir", type=Path)
@@ -129,9 +132,15 @@ def export_command(argv: list[str]) -> int:
     )
     parser.add_argument("--to", choices=FILE_TYPES, help="file type (default: parquet)")
     parser.add_argument("--session", action="append", metavar="ID", help="export only this session (repeatable)")
+    parser.add_argument(
+        "--calls",
+        metavar="CALLS",
+        help="only the segments of these calls, comma-separated, of: main, compaction, subagent, side (default: all)",
+    )
     args = parser.parse_args(argv)
     try:
         layout, file_type = resolve_format(args.format, args.to)
+        calls = parse_calls(args.calls)
     except ValueError as exc:
         parser.error(str(exc))
     try:
@@ -149,11 +158,12 @@ def export_command(argv: list[str]) -> int:
                 lambda: progress.advance(task),
                 file_type=file_type,
                 sessions=args.session,
+                calls=calls,
             )
     except RecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{rows} branches from {sessions} sessions written to {args.out} ({layout}, {file_type})")
+    print(f"{rows} segments from {sessions} sessions written to {args.out} ({layout}, {file_type})")
     return 0
 
 

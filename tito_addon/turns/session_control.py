@@ -31,7 +31,7 @@ from tito_addon.records.record_reader import (
     session_parts,
     session_paths,
 )
-from tito_addon.records.trainer_rows import FILE_TYPES, LAYOUTS, encode_rows, session_rows
+from tito_addon.records.trainer_rows import FILE_TYPES, LAYOUTS, encode_rows, parse_calls, session_rows
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import SessionStatus
 from tito_addon.tito_errors import BadRequest, TitoError
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 600.0
 POLL_S = 0.02
-ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata"}
+ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata", "scope"}
 CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "application/jsonl"}
 
 
@@ -212,12 +212,16 @@ class SessionControl:
             raise BadRequest(f"unknown format {layout!r}; choose one of: {', '.join(LAYOUTS)}")
         if file_type not in FILE_TYPES:
             raise BadRequest(f"unknown file type {file_type!r}; choose one of: {', '.join(FILE_TYPES)}")
+        try:
+            calls = parse_calls(query.get("calls"))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
         recorded = await self._recorded(session_id)
         if recorded is None or not recorded.turns:
             raise NotFound(f"session {session_id!r} has no recorded turns")
 
         def encode() -> tuple[int, bytes]:
-            rows = session_rows(recorded, layout)
+            rows = session_rows(recorded, layout, calls)
             return len(rows), encode_rows(rows, layout, file_type)
 
         try:
@@ -233,7 +237,7 @@ class SessionControl:
         unknown = sorted(set(obj) - ANNOTATION_FIELDS)
         if unknown:
             raise BadRequest(f"unknown annotation field(s): {', '.join(unknown)}; allowed: turn_id, reward, labels, "
-                             "metadata")  # fmt: skip
+                             "metadata, scope")  # fmt: skip
         reward, turn_id, metadata = obj.get("reward"), obj.get("turn_id"), obj.get("metadata")
         if reward is not None and not finite_number(reward):
             raise BadRequest("reward must be a finite number")

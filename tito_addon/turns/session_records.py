@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from tito_addon.protocols.openai_responses import reply_session
+from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, read_session
 from tito_addon.records.stored_turns import recorded_nodes
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
@@ -29,6 +30,7 @@ from tito_addon.sessions.session_space import (
 )
 from tito_addon.sessions.session_tree import Attachment, TurnNode
 from tito_addon.tito_errors import BadRequest, SessionClosed, SessionGone, StoreUnavailable, TitoError
+from tito_addon.turns.episode_places import EpisodeLinks, interrupted_call
 from tito_addon.turns.turn_record import CompletedTurn
 from tito_addon.turns.turn_types import ParsedRequest, PreparedTurn
 
@@ -44,6 +46,8 @@ class SessionRecords:
         self.recorder = recorder
         self.after_close = after_close
         self.unsettled: list[tuple[str, int]] = []  # (session, turn) written whose commit's outcome is unknown
+        # What later roots (a context rebuilt from a summary, a sub-agent) link to: fed by every commit and resume.
+        self.links = EpisodeLinks()
 
     # -- where a turn goes --------------------------------------------------------------------------------------
 
@@ -79,9 +83,11 @@ class SessionRecords:
     async def claim(self, prepared: PreparedTurn) -> Claim:
         return await self.sessions.claim(prepared, reopen_closed=self.after_close == "new")
 
-    async def commit(self, claim: Claim, build: Callable[[str, int], CompletedTurn]) -> tuple[TurnNode, CompletedTurn]:
+    async def commit(
+        self, claim: Claim, build: Callable[[str, int], CompletedTurn], link_scope: str
+    ) -> tuple[TurnNode, CompletedTurn]:
         """Commit a turn the backend completed: its line is written once the sessions settle its session and id
-        (`build` makes it), then the tree takes the turn."""
+        (`build` makes it), then the tree takes the turn, and later roots of `link_scope` may link to it."""
         written: list[CompletedTurn] = []
 
         def record(session_id: str, turn_id: int) -> NodeData:
@@ -103,6 +109,7 @@ class SessionRecords:
             if written:
                 self.unsettled.append((written[0].session_id, written[0].turn_id))
             raise
+        self.links.note(link_scope, written[0].fields, interrupted_call(node))
         return node, written[0]
 
     async def release(self, claim: Claim) -> None:
@@ -124,12 +131,26 @@ class SessionRecords:
             raise TitoError(f"cannot resume session from its record file: {exc}", status=409) from exc
         if recorded.closed_by_driver and self.after_close == "refuse":
             raise SessionClosed(session_id)
-        nodes = recorded_nodes(recorded.turns_since_driver_close())
+        turns = recorded.turns_since_driver_close()
+        nodes = recorded_nodes(turns)
         # Never reuse the id of a turn left out (before its driver's close), nor of a torn line.
         next_turn_id = recorded.highest_turn_id + 1 + len(recorded.skipped_lines)
         if await self.sessions.restore(session_id, nodes, next_turn_id):
             logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
+            self._note_recorded(session_id, turns)
         return True
+
+    def _note_recorded(self, scope: str, turns: list[TurnRecord]) -> None:
+        """What a resumed session's turns offer later roots, as their commits did."""
+        calls = {turn.turn_id: (turn.call, turn.parent_turn_id) for turn in turns}
+        for turn in turns:
+            call, parent = turn.call, turn.parent_turn_id
+            while call == "compaction" and parent is not None:
+                call, parent = calls[parent]
+            resumes = "main" if call == "compaction" else call
+            line = {"session_id": turn.session_id, "turn_id": turn.turn_id, "episode": turn.episode_id,
+                    "call": turn.call, "assistant_message": turn.assistant_message}  # fmt: skip
+            self.links.note(scope, line, resumes)
 
     async def settle(self) -> None:
         """Withdraw on disk every turn whose commit failed and that the store does not hold (no turn can extend

@@ -14,6 +14,7 @@ from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_space import NodeData
+from tito_addon.turns.episode_places import record_fields
 from tito_addon.turns.turn_types import PreparedTurn
 
 SAMPLING_KEYS = frozenset({
@@ -59,6 +60,8 @@ def completed_turn(
     segment_keys = tuple(appended_keys) + (message_key(assistant),)
     reasoning = assistant.reasoning_text()
     tools_sha = tools_digest(prepared.request.tools)
+    place = prepared.place
+    episode = place.episode_of(session_id, turn_id, automatic=prepared.session_id is None)
     request = prepared.request
     # Only the sampling fields are dumped: dumping the whole request would re-serialise every message.
     asked = SAMPLING_KEYS.intersection(prepared.agent.chat_body)
@@ -101,6 +104,7 @@ def completed_turn(
         "weight_version_spans": result.weight_version_spans,
         "completion_budget": completion_budget,
         "served_model": result.extra.get("served_model"),
+        **record_fields(place, episode),
         "tokenizer": {
             "name": engine.tokenizer_name,
             "tokenizer_sha256": engine.tokenizer_sha256,
@@ -119,5 +123,7 @@ def completed_turn(
         tools_sha256=tools_sha,
         template_kwargs=prepared.kwargs,
         reply_id=reply_id or None,
+        episode=episode,
+        call=place.call,
     )
     return CompletedTurn(session_id, turn_id, fields, node)

@@ -37,7 +37,9 @@ class TurnRun:
         prepared = self.prepared
         result.message = self.responder.adapt(result.message)
         budget = self.budget
-        node, done = await self.sessions.commit(self.claim, lambda sid, turn: self.record(result, budget, sid, turn))
+        node, done = await self.sessions.commit(
+            self.claim, lambda sid, turn: self.record(result, budget, sid, turn), prepared.link_scope
+        )
         prepared.prompt.remember(node, result.completion_ids)
         await self.sessions.sweep_inline()
         metadata = {

@@ -31,6 +31,7 @@ from tito_addon.sessions.session_space import Claim, SessionSpace
 from tito_addon.sessions.session_tree import Attachment
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed
 from tito_addon.turns.completion_budget import fit_completion_budget
+from tito_addon.turns.episode_places import EpisodePlace, continuation_place, interrupted_call
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.session_records import SessionRecords
 from tito_addon.turns.turn_record import CompletedTurn, completed_turn
@@ -150,14 +151,14 @@ class TurnService:
         keys = [message_key(m) for m in messages]
         reasonings = [m.reasoning_text() if m.role == "assistant" else None for m in messages]
         namespace = f"{base_url} {request.model or ''}"
-        return ParsedRequest(route, agent, session_id, kwargs, keys, reasonings, namespace)
+        return ParsedRequest(route, agent, session_id, kwargs, keys, reasonings, namespace, base_url)
 
     def _place(self, parsed: ParsedRequest, attachment: Attachment, group: bytes = b"") -> PreparedTurn:
         """The prompt of a located request: a continuation of the turn it extends, or a fresh render."""
         agent, kwargs = parsed.agent, parsed.kwargs
         request = agent.chat
         messages = request.messages
-        parent = attachment.parent
+        parent = located_parent = attachment.parent
         appended = messages[attachment.matched :]
         if agent.previous_response_id is not None and (
             any(m.role == "assistant" for m in appended)
@@ -176,6 +177,14 @@ class TurnService:
             # Kwargs that render the stored history differently (gpt-oss `reasoning_effort` lives in the system
             # message) would not reach the model through a continuation: a fresh render tells it, as a new root.
             parent, appended = None, messages
+        if parent is not None:
+            place = continuation_place(parent, appended)
+        elif located_parent is not None:
+            # The same conversation, rendered afresh: still its episode and call.
+            place = EpisodePlace(located_parent.episode, interrupted_call(located_parent), reason="rendered afresh")
+        else:
+            named, first_root = parsed.session_id is not None, attachment.session is None
+            place = self.sessions.links.place_root(parsed.link_scope, messages, named, first_root)
         if parent is None:
             piece = self.engine.first_turn(messages, request.tools, kwargs)
         else:
@@ -195,6 +204,8 @@ class TurnService:
             parsed.keys,
             parsed.namespace,
             group=group,
+            place=place,
+            link_scope=parsed.link_scope,
         )
 
     async def _handle(

@@ -17,6 +17,7 @@ from tito_addon.protocols.agent_api import AgentRequest, Route
 from tito_addon.sessions.message_keys import MessageKey
 from tito_addon.sessions.session_ids import automatic_session_id
 from tito_addon.sessions.session_tree import Attachment, TurnNode
+from tito_addon.turns.episode_places import EpisodePlace
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,13 @@ class ParsedRequest:
     keys: list[MessageKey]
     reasonings: list[str | None]
     namespace: str
+    base_url: str = ""
+
+    @property
+    def link_scope(self) -> str:
+        """Where a new root of this request may find the turn it continues (`turns/episode_places`): its named
+        session, or the automatic sessions of its backend."""
+        return self.session_id if self.session_id is not None else f"auto {self.base_url}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,9 @@ class PreparedTurn:
     # The digest of all the request's message keys (its GRPO group, when it is a first turn), where the sessions use
     # one (Redis).
     group: bytes = b""
+    # Its place in its episode, and where its commit is remembered for later roots to link to.
+    place: EpisodePlace = EpisodePlace(None)
+    link_scope: str = ""
 
     @functools.cached_property
     def new_session_id(self) -> str:

@@ -1,0 +1,169 @@
+"""Long episodes of the real Claude Code and Codex, unmodified, through a real mitmdump to the sglang replica: tens of
+tool round trips, automatic compactions forced by the CLIs' own window settings and tool output large enough to fill
+it, an explicit compaction and a sub-agent. Every request answered 200, every turn token exact against what the
+replica received and generated, every segment linked into one episode (`episode`, `call`, `follows`), and the
+exported rows, one per segment, equal the replica's ids with the episode's reward on each.
+
+The stack (a loopback-only network namespace, the pinned CLIs, the replica inside the namespace) is
+tests/test_agent_clis.py's; what the CLIs send in these episodes is measured in the README's "Episodes".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tokenizer_path
+from proxy_harness import REPO
+from test_agent_clis import (  # noqa: F401 - fixtures
+    CLI_DIR,
+    NamespacedReplica,
+    agent_clis,
+    base_env,
+    network,
+    run_cli,
+)
+from test_anthropic_messages import assert_token_exact
+
+from tito_addon.records.record_models import AnnotationRecord
+from tito_addon.records.record_reader import iter_session_files
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+from tito_addon.replicas.proxy_process import Mitmdump
+from tito_addon.replicas.sglang_replica import ReplicaConfig
+
+pytestmark = [pytest.mark.full, pytest.mark.serial]
+
+# ~2.8k Qwen3 tokens a round: Claude Code's window (100000, the least it takes) fills in ~16 rounds.
+NUMBERS = "seq 100000 100400; echo tito-ok $(readlink /proc/self/ns/net)"
+KEY_PREFIX = "sk-tito-"
+SUBAGENT = {
+    "description": "Print a marker",
+    "prompt": "Run the marker command with Bash and report what it printed.",
+    "subagent_type": "Explore",  # its tools hold no Agent: one sub-agent, not a nest of them
+    "run_in_background": False,
+}
+
+
+@pytest.fixture(scope="module")
+def replica(network):  # noqa: F811
+    # A context as large as the CLIs' windows need; Claude Code's max_tokens (128000) is cut to what it leaves.
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), context_length=200_000)
+    with NamespacedReplica(config, network) as running:
+        yield running
+
+
+def steer(replica, tools: dict, rounds: int) -> None:
+    replica.backend.config.preferred_tools = tools
+    replica.backend.config.tool_rounds = rounds
+
+
+def shown(record_dir: Path) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "tito_addon", "show", str(record_dir), "--json"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def assert_linked_episode(record_dir: Path, episode: str, agent: str) -> tuple[list, list[dict]]:
+    """One session, the episode's name on every turn; every root but the first follows a compaction's summary
+    turn or the tool call that spawned it; every compaction turn's reason names the agent."""
+    (session_file,) = list(iter_session_files(record_dir))
+    turns = {t.turn_id: t for t in session_file.turns}
+    rows = shown(record_dir)
+    assert {row["episode"] for row in rows} == {episode} and [r["turn_id"] for r in rows] == list(turns)
+    roots = [t for t in session_file.turns if t.parent_turn_id is None]
+    assert roots[0].call == "main" and roots[0].follows is None
+    for root in roots[1:]:
+        assert root.follows is not None and root.follows.session == episode, root
+        followed = turns[root.follows.turn_id]
+        if root.follows.how == "summary":
+            assert root.call == "main" and followed.call == "compaction"
+            assert followed.ts < root.ts
+        else:
+            assert root.follows.how == "tool_argument" and root.call == "subagent"
+            ids = [call["id"] for call in followed.assistant_message.get("tool_calls") or []]
+            assert root.follows.tool_call_id in ids
+    for turn in session_file.turns:
+        if turn.call == "compaction":
+            assert turn.call_reason == f"{agent}'s compaction instruction"
+            assert turn.parent_turn_id is not None and turns[turn.parent_turn_id].call == "main"
+    return session_file.turns, rows
+
+
+def tool_round_trips(turns: list) -> int:
+    """Tool results the agent sent back for recorded tool calls."""
+    calls = {c["id"] for t in turns for c in t.assistant_message.get("tool_calls") or []}
+    answered = {m["tool_call_id"] for t in turns for m in t.appended_messages or [] if m.get("role") == "tool"}
+    return len(calls & answered)
+
+
+def assert_rows_per_segment(record_dir: Path, tmp_path: Path, replica, episode: str, turns: list) -> list[dict]:
+    """The episode's reward, given once, is on every row; each row is a segment whose ids are the replica's."""
+    TrajectoryRecorder(record_dir).write_annotation(AnnotationRecord(session_id=episode, reward=1.0, ts=1e10))
+    out = tmp_path / "rows.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "tito_addon", "export", str(record_dir), str(out), "--to", "jsonl"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    generated = {tuple(g["prompt_ids"]): g["completion_ids"] for g in replica.generated()}
+    by_id = {t.turn_id: t for t in turns}
+    assert [r["segment"] for r in rows] == list(range(len(rows)))
+    for row in rows:
+        assert row["episode"] == episode and row["reward"] == 1.0
+        leaf = by_id[row["leaf_turn_id"]]
+        prompt = row["input_ids"][: leaf.prompt_len]
+        assert generated[tuple(prompt)] == row["input_ids"][leaf.prompt_len :]
+        assert {by_id[t].call for t in row["turn_ids"]} == {row["call"]}
+    # Every turn is in exactly one row's segment.
+    assert sorted(t for r in rows for t in r["turn_ids"]) == sorted(by_id)
+    return rows
+
+
+def test_a_long_claude_code_episode_is_one_linked_episode(network, agent_clis, replica, tmp_path: Path) -> None:  # noqa: F811
+    """44 turns of Bash printing numbers with Claude Code's window at 100000 (two automatic compactions), then
+    `/compact`, then a sub-agent (Explore, in the foreground), the episode named by the API key."""
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    options = {"tito_session_api_key_prefix": KEY_PREFIX}
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  launcher=network.command([]), options=options) as proxy:  # fmt: skip
+        project = tmp_path / "project"
+        project.mkdir()
+        env = base_env(
+            tmp_path / "home", agent_clis, ANTHROPIC_BASE_URL=proxy.url, ANTHROPIC_API_KEY=KEY_PREFIX + "cc-long",
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
+            DISABLE_AUTOUPDATER="1", CLAUDE_CODE_AUTO_COMPACT_WINDOW="100000",
+        )  # fmt: skip
+        claude = str(agent_clis / "claude")
+        tail = ["--output-format", "stream-json", "--verbose"]
+        steer(replica, {"Bash": {"command": NUMBERS, "description": "Print numbers"}}, 60)
+        # The script would go on for ever (each new context restarts its rounds): --max-turns ends it, exit 1.
+        long = run_cli(network, [claude, "-p", "Print the numbers with Bash, again and again.", "--allowedTools",
+                                 "Bash", "--max-turns", "44", *tail], env=env, cwd=project, ok=(0, 1))  # fmt: skip
+        assert long.events()[-1].get("subtype") in ("success", "error_max_turns"), str(long)
+        compacted = run_cli(network, [claude, "-p", "--continue", "/compact", *tail], env=env, cwd=project)
+        assert any(e.get("compact_result") == "success" for e in compacted.events()) or "Compacted" in compacted.stdout
+        steer(replica, {"Agent": SUBAGENT, "Bash": {"command": NUMBERS, "description": "Print numbers"}}, 1)
+        delegated = run_cli(network, [claude, "-p", "--continue", "Delegate the marker check to a sub-agent.",
+                                      "--allowedTools", "Bash", "Agent", *tail], env=env, cwd=project)  # fmt: skip
+        assert delegated.events()[-1]["subtype"] == "success", str(delegated)
+        refused = re.findall(r"<< ([45]\d\d\b.*)", proxy.output())
+        assert not refused, (refused, proxy.output()[-6000:])
+
+    turns = assert_token_exact(record_dir, replica)
+    turns, _ = assert_linked_episode(record_dir, "cc-long", "Claude Code")
+    calls = [t.call for t in turns]
+    assert calls.count("compaction") >= 3 and "subagent" in calls, calls
+    summaries = [t for t in turns if t.follows is not None and t.follows.how == "summary"]
+    assert len(summaries) >= 3  # two automatic compactions and /compact, each continued from its summary
+    assert tool_round_trips(turns) >= 40
+    # Claude Code asks 128000 completion tokens: cut to what the context leaves, and said so.
+    assert all(t.completion_budget is not None and t.completion_budget.asked == 128000 for t in turns)
+    rows = assert_rows_per_segment(record_dir, tmp_path, replica, "cc-long", turns)
+    assert {r["call"] for r in rows} == {"main", "compaction", "subagent"}

@@ -1,0 +1,265 @@
+"""Whole episodes through a real mitmdump, with the real anthropic and openai SDKs as the agents: a compaction, the
+context rebuilt from its summary, a sub-agent and a side call, sent as Claude Code and Codex send them (the texts
+measured from the pinned CLIs; README, "Episodes"), each turn placed in its episode (`episode`, `call`, `follows`),
+token exact, and exported one row per segment with the episode's reward on every row.
+
+The real CLIs' long episodes are in tests/test_agent_episodes.py (the full tier).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from conftest import tokenizer_path
+from proxy_harness import REPO
+from test_anthropic_messages import assert_token_exact, echo
+
+from tito_addon.records.record_models import AnnotationRecord
+from tito_addon.records.record_reader import iter_session_files
+from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+SUBAGENT_PROMPT = "List the files of this folder and report their names, one per line."
+# Claude Code's compaction instruction (its start and the sentence the proxy recognises), appended to the last user
+# message of the request it compacts; the wrapper its next context puts the summary in.
+CLAUDE_COMPACT = (
+    "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\n- Your entire response must be plain text: an "
+    "<analysis> block followed by a <summary> block.\n\nYour task is to create a detailed summary of the conversation "
+    "so far, paying close attention to the user's explicit requests and your previous actions."
+)
+CLAUDE_WRAPPER = (
+    "This session is being continued from a previous conversation that ran out of context. The summary below covers "
+    "the earlier portion of the conversation.\n\n<system-reminder>\n<tools-used-before-summary>Bash"
+    "</tools-used-before-summary>\n</system-reminder>\nSummary:\n{summary}\n\nIf you need specific details from before "
+    "compaction (like exact code snippets), read the full transcript."
+)
+REMINDER = "<system-reminder>\nAttribution: none.\n</system-reminder>\n"
+CODEX_COMPACT = (
+    "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary for another LLM that will resume "
+    "the task."
+)
+CODEX_WRAPPER = (
+    "Another language model started to solve this problem and produced a summary of its thinking process. Here is "
+    "the summary produced by the other language model, use the information in this summary to assist with your own "
+    "analysis:\n{summary}"
+)
+BASH = {
+    "name": "Bash",
+    "description": "Run a shell command.",
+    "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+}
+AGENT = {
+    "name": "Agent",
+    "description": "Launch a sub-agent.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
+        "required": ["description", "prompt"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def replica():
+    config = ReplicaConfig(
+        tokenizer=tokenizer_path("qwen3"),
+        preferred_tools={"Agent": {"description": "List files", "prompt": SUBAGENT_PROMPT}},
+    )
+    with ReplicaThread(config) as running:
+        yield running
+
+
+def results(message, text: str = "a.txt\nb.txt") -> dict:
+    blocks = [
+        {"type": "tool_result", "tool_use_id": b.id, "content": text} for b in message.content if b.type == "tool_use"
+    ]
+    return {"role": "user", "content": blocks}
+
+
+def with_text(message: dict, text: str) -> dict:
+    """A user message with one more text block, as Claude Code appends its compaction instruction."""
+    return {"role": "user", "content": [*message["content"], {"type": "text", "text": text}]}
+
+
+def claude_code_episode(api: anthropic.Anthropic) -> dict[str, str]:
+    """Main turns, a compaction (a sibling of the last main turn, as Claude Code sends it), the context rebuilt from
+    the summary, a sub-agent spawned from it and answered, and a side call. Returns the summary text."""
+
+    def create(messages, tools=(BASH,), **kw):
+        return api.messages.create(model="qwen3", max_tokens=400, tools=list(tools), messages=messages, **kw)
+
+    system = "You are Claude Code."
+    messages: list[dict] = [{"role": "user", "content": "Check this folder."}]
+    first = create(messages, system=system)  # turn 0: a tool call
+    assert first.stop_reason == "tool_use"
+    messages += [echo(first), results(first)]
+    answer = create(messages, system=system)  # 1: the answer
+    messages += [echo(answer), {"role": "user", "content": "Check it again."}]
+    again = create(messages, system=system)  # 2: a tool call
+    messages += [echo(again), results(again)]
+    last = create(messages, system=system)  # 3: the answer
+    compact = [*messages[:-1], with_text(messages[-1], CLAUDE_COMPACT)]
+    summary_turn = create(compact, system=system)  # 4: the summary, a sibling of 3
+    text = "".join(b.text for b in summary_turn.content if b.type == "text")
+    summary = text.split("<summary>")[1].split("</summary>")[0].strip()
+    rebuilt = [
+        {"role": "user", "content": CLAUDE_WRAPPER.format(summary=summary)},
+        echo(last),
+        {"role": "user", "content": "Now have an agent list the files."},
+    ]
+    spawn = create(rebuilt, tools=(AGENT, BASH), system=system)  # 5: a new root that follows 4; calls Agent
+    (use,) = [b for b in spawn.content if b.type == "tool_use"]
+    assert use.name == "Agent" and use.input["prompt"] == SUBAGENT_PROMPT
+    sub = [{"role": "user", "content": [{"type": "text", "text": REMINDER}, {"type": "text", "text": SUBAGENT_PROMPT}]}]
+    sub_call = create(sub, system="You are a file search specialist.")  # 6: the sub-agent's root
+    sub += [echo(sub_call), results(sub_call)]
+    sub_answer = create(sub, system="You are a file search specialist.")  # 7
+    report = "".join(b.text for b in sub_answer.content if b.type == "text")
+    rebuilt += [echo(spawn), results(spawn, "  " + report.replace("\n", "\n  "))]
+    create(rebuilt, tools=(AGENT, BASH), system=system)  # 8: the parent goes on
+    side = [{"role": "user", "content": "Write a five word title for: Check this folder."}]
+    api.messages.create(model="claude-haiku", max_tokens=30, messages=side)  # 9: a side call
+    return {"summary": summary, "spawn_call": use.id}
+
+
+def places(record_dir: Path) -> dict[tuple[str, int], dict]:
+    """(session, turn) -> what `show --json` says of the turn's place (and its parent)."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "tito_addon", "show", str(record_dir), "--json"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in shown.stdout.splitlines()]
+    keys = ("episode", "call", "follows", "parent_turn_id")
+    return {(row["session_id"], row["turn_id"]): {k: row[k] for k in keys} for row in rows}
+
+
+def export_rows(record_dir: Path, tmp_path: Path, *args: str) -> list[dict]:
+    out = tmp_path / f"rows{len(args)}.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "tito_addon", "export", str(record_dir), str(out), "--to", "jsonl", *args],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_a_named_claude_code_episode_is_one_episode_of_linked_segments(proxy, replica, tmp_path: Path) -> None:
+    api = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", default_headers={"x-session-id": "ep-cc"},
+                              max_retries=0)  # fmt: skip
+    seen = claude_code_episode(api)
+    turns = assert_token_exact(proxy.record_dir, replica)
+    assert len(turns) == 10 and {t.session_id for t in turns} == {"ep-cc"}
+    got = places(proxy.record_dir)
+    summary_link = {"session": "ep-cc", "turn_id": 4, "how": "summary"}
+    spawn_link = {"session": "ep-cc", "turn_id": 5, "tool_call_id": seen["spawn_call"], "how": "tool_argument"}
+    assert got == {
+        ("ep-cc", 0): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": None},
+        ("ep-cc", 1): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 0},
+        ("ep-cc", 2): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 1},
+        ("ep-cc", 3): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 2},
+        ("ep-cc", 4): {"episode": "ep-cc", "call": "compaction", "follows": None, "parent_turn_id": 2},
+        ("ep-cc", 5): {"episode": "ep-cc", "call": "main", "follows": summary_link, "parent_turn_id": None},
+        ("ep-cc", 6): {"episode": "ep-cc", "call": "subagent", "follows": spawn_link, "parent_turn_id": None},
+        ("ep-cc", 7): {"episode": "ep-cc", "call": "subagent", "follows": None, "parent_turn_id": 6},
+        ("ep-cc", 8): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 5},
+        ("ep-cc", 9): {"episode": "ep-cc", "call": "side", "follows": None, "parent_turn_id": None},
+    }
+    by_id = {t.turn_id: t for t in turns}
+    assert by_id[4].call_reason == "Claude Code's compaction instruction"
+    assert "no recorded summary" in by_id[9].call_reason
+    # The episode's reward, given on one turn, reaches every segment; one scoped to a segment stays there.
+    recorder = TrajectoryRecorder(proxy.record_dir)
+    recorder.write_annotation(AnnotationRecord(session_id="ep-cc", turn_id=8, reward=1.0, labels=["done"], ts=1e10))
+    recorder.write_annotation(AnnotationRecord(session_id="ep-cc", turn_id=9, reward=0.0, scope="segment", ts=2e10))
+    rows = export_rows(proxy.record_dir, tmp_path)
+    shape = [(r["segment"], r["call"], r["turn_ids"], r["reward"]) for r in rows]
+    assert shape == [
+        (0, "main", [0, 1, 2, 3], 1.0),
+        (1, "compaction", [4], 1.0),
+        (2, "main", [5, 8], 1.0),
+        (3, "subagent", [6, 7], 1.0),
+        (4, "side", [9], 0.0),
+    ]
+    assert {r["episode"] for r in rows} == {"ep-cc"} and all(r["labels"] == ["done"] for r in rows)
+    # Each row's ids are the leaf's exact prompt + completion; it trains on its own segment's completions only.
+    (session_file,) = iter_session_files(proxy.record_dir)
+    full = session_file.full_ids()
+    for row in rows:
+        prompt, completion = full[row["leaf_turn_id"]]
+        assert row["input_ids"] == prompt + completion
+        sampled = [i for i, bit in enumerate(row["loss_mask"]) if bit]
+        expected = [by_id[t].prompt_len + k for t in row["turn_ids"] for k in range(len(by_id[t].completion_ids))]
+        assert sampled == expected
+    # Side calls left out; the others keep their numbers in the episode.
+    kept = export_rows(proxy.record_dir, tmp_path, "--calls", "main,compaction,subagent")
+    assert [(r["segment"], r["call"]) for r in kept] == [(0, "main"), (1, "compaction"), (2, "main"), (3, "subagent")]
+    bad = subprocess.run(
+        [sys.executable, "-m", "tito_addon", "export", str(proxy.record_dir), str(tmp_path / "x"), "--calls", "mian"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown call(s) mian" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_an_automatic_claude_code_episode_links_its_sessions_by_content(proxy, replica, tmp_path: Path) -> None:
+    """Without a name each new root is an automatic session of its own: the context rebuilt from a summary and the
+    sub-agent join the episode of the turns they follow (across sessions); the unlinked side call starts its own."""
+    api = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", max_retries=0)
+    seen = claude_code_episode(api)
+    turns = assert_token_exact(proxy.record_dir, replica)
+    assert len(turns) == 10
+    by_order = sorted(turns, key=lambda t: t.ts)
+    first, rebuilt, sub, side = by_order[0], by_order[5], by_order[6], by_order[9]
+    episode = f"{first.session_id}/0"
+    sessions = {t.session_id for t in turns}
+    assert len(sessions) == 4 and len({first.session_id, rebuilt.session_id, sub.session_id, side.session_id}) == 4
+    assert [t.episode for t in by_order[:9]] == [episode] * 9 and side.episode == f"{side.session_id}/0"
+    assert [t.call for t in by_order] == ["main"] * 4 + ["compaction", "main", "subagent", "subagent", "main", "main"]
+    assert rebuilt.follows.model_dump(exclude_none=True) == {
+        "session": first.session_id,
+        "turn_id": 4,
+        "how": "summary",
+    }
+    spawned = {"session": rebuilt.session_id, "turn_id": rebuilt.turn_id, "tool_call_id": seen["spawn_call"]}
+    assert sub.follows.model_dump(exclude_none=True) == {**spawned, "how": "tool_argument"}
+    rows = export_rows(proxy.record_dir, tmp_path)
+    ours = [r for r in rows if r["episode"] == episode]
+    assert [(r["segment"], r["call"], r["session_id"]) for r in ours] == [
+        (0, "main", first.session_id),
+        (1, "compaction", first.session_id),
+        (2, "main", rebuilt.session_id),
+        (3, "subagent", sub.session_id),
+    ]
+
+
+def test_a_codex_compaction_continues_in_the_context_rebuilt_from_its_summary(proxy, replica) -> None:
+    """Codex's local compaction through the openai SDK's Responses API: the summary request extends the history
+    with its instruction; the next context holds the summary verbatim."""
+    api = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
+    schema = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
+    tools = [{"type": "function", "name": "exec_command", "description": "Run a command.", "parameters": schema}]
+    items: list = [{"role": "user", "content": "Check this folder."}]
+    call = api.responses.create(model="qwen3", input=items, tools=tools, instructions="You are Codex.")
+    calls = [item for item in call.output if item.type == "function_call"]
+    items += [item.model_dump(exclude_none=True) for item in call.output]
+    items += [{"type": "function_call_output", "call_id": c.call_id, "output": "a.txt"} for c in calls]
+    answer = api.responses.create(model="qwen3", input=items, tools=tools, instructions="You are Codex.")
+    items += [item.model_dump(exclude_none=True) for item in answer.output]
+    compact = [*items, {"role": "user", "content": CODEX_COMPACT}]
+    summary = api.responses.create(model="qwen3", input=compact, tools=tools, instructions="You are Codex.")
+    text = summary.output_text
+    rebuilt = [{"role": "user", "content": "Check this folder."},
+               {"role": "user", "content": CODEX_WRAPPER.format(summary=text)}]  # fmt: skip
+    api.responses.create(model="qwen3", input=rebuilt, tools=tools, instructions="You are Codex.")
+    turns = sorted(assert_token_exact(proxy.record_dir, replica), key=lambda t: t.ts)
+    assert [t.call for t in turns] == ["main", "main", "compaction", "main"]
+    assert turns[2].parent_turn_id == turns[1].turn_id and turns[2].call_reason == "Codex's compaction instruction"
+    assert turns[3].parent_turn_id is None and turns[3].session_id != turns[0].session_id
+    assert turns[3].episode == turns[0].episode == f"{turns[0].session_id}/0"
+    assert turns[3].follows.model_dump(exclude_none=True) == {
+        "session": turns[0].session_id, "turn_id": turns[2].turn_id, "how": "summary"
+    }  # fmt: skip
