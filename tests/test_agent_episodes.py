@@ -40,6 +40,7 @@ pytestmark = [pytest.mark.full, pytest.mark.serial]
 # ~2.8k Qwen3 tokens a round: Claude Code's window (100000, the least it takes) fills in ~16 rounds.
 NUMBERS = "seq 100000 100400; echo tito-ok $(readlink /proc/self/ns/net)"
 KEY_PREFIX = "sk-tito-"
+CONTEXT = 150_000  # past Claude Code's window (100000), short of its prompt + max_tokens (128000)
 SUBAGENT = {
     "description": "Print a marker",
     "prompt": "Run the marker command with Bash and report what it printed.",
@@ -51,7 +52,7 @@ SUBAGENT = {
 @pytest.fixture(scope="module")
 def replica(network):  # noqa: F811
     # A context as large as the CLIs' windows need; Claude Code's max_tokens (128000) is cut to what it leaves.
-    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), context_length=200_000)
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), context_length=CONTEXT)
     with NamespacedReplica(config, network) as running:
         yield running
 
@@ -163,7 +164,14 @@ def test_a_long_claude_code_episode_is_one_linked_episode(network, agent_clis, r
     summaries = [t for t in turns if t.follows is not None and t.follows.how == "summary"]
     assert len(summaries) >= 3  # two automatic compactions and /compact, each continued from its summary
     assert tool_round_trips(turns) >= 40
-    # Claude Code asks 128000 completion tokens: cut to what the context leaves, and said so.
-    assert all(t.completion_budget is not None and t.completion_budget.asked == 128000 for t in turns)
+    # Claude Code asks 128000 completion tokens: cut to what the context leaves where that is less, and said so.
+    for turn in turns:
+        if turn.prompt_len + 128000 >= CONTEXT:
+            assert turn.completion_budget.model_dump() == {
+                "asked": 128000, "sent": CONTEXT - turn.prompt_len - 1, "context_length": CONTEXT
+            }  # fmt: skip
+        else:
+            assert turn.completion_budget is None
+    assert sum(t.completion_budget is not None for t in turns) > len(turns) // 2
     rows = assert_rows_per_segment(record_dir, tmp_path, replica, "cc-long", turns)
     assert {r["call"] for r in rows} == {"main", "compaction", "subagent"}

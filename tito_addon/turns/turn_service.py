@@ -31,7 +31,7 @@ from tito_addon.sessions.session_space import Claim, SessionSpace
 from tito_addon.sessions.session_tree import Attachment
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed
 from tito_addon.turns.completion_budget import fit_completion_budget
-from tito_addon.turns.episode_places import EpisodePlace, continuation_place, interrupted_call
+from tito_addon.turns.episode_places import continuation_place
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.session_records import SessionRecords
 from tito_addon.turns.turn_record import CompletedTurn, completed_turn
@@ -177,11 +177,10 @@ class TurnService:
             # Kwargs that render the stored history differently (gpt-oss `reasoning_effort` lives in the system
             # message) would not reach the model through a continuation: a fresh render tells it, as a new root.
             parent, appended = None, messages
-        if parent is not None:
-            place = continuation_place(parent, appended)
-        elif located_parent is not None:
-            # The same conversation, rendered afresh: still its episode and call.
-            place = EpisodePlace(located_parent.episode, interrupted_call(located_parent), reason="rendered afresh")
+        if located_parent is not None:
+            # Rendered afresh or not, the same conversation: its episode and call (Codex's compaction request offers
+            # no tools, so it is rendered afresh, and is still a compaction).
+            place = continuation_place(located_parent, messages[attachment.matched :])
         else:
             named, first_root = parsed.session_id is not None, attachment.session is None
             place = self.sessions.links.place_root(parsed.link_scope, messages, named, first_root)
