@@ -20,7 +20,7 @@ import pytest
 from conftest import tokenizer_path
 from proxy_harness import REPO
 from test_agent_clis import (  # noqa: F401 - fixtures
-    CLI_DIR,
+    CODEX_CONFIG,
     NamespacedReplica,
     agent_clis,
     base_env,
@@ -174,4 +174,54 @@ def test_a_long_claude_code_episode_is_one_linked_episode(network, agent_clis, r
             assert turn.completion_budget is None
     assert sum(t.completion_budget is not None for t in turns) > len(turns) // 2
     rows = assert_rows_per_segment(record_dir, tmp_path, replica, "cc-long", turns)
+    assert {r["call"] for r in rows} == {"main", "compaction", "subagent"}
+
+
+def codex_config(base_url: str, window: str) -> str:
+    """Codex's config with its context window settings (before any table, as TOML needs them)."""
+    return window + CODEX_CONFIG.format(base_url=base_url)
+
+
+def test_a_long_codex_episode_is_one_linked_episode(network, agent_clis, replica, tmp_path: Path) -> None:  # noqa: F811
+    """44 rounds of exec_command with Codex's window at 40000 and its compaction limit at 20000 (local compactions),
+    then a sub-agent it spawns and waits for, the episode named by the provider's key."""
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    options = {"tito_session_api_key_prefix": KEY_PREFIX}
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  launcher=network.command([]), options=options) as proxy:  # fmt: skip
+        project = tmp_path / "project"
+        project.mkdir()
+        codex_home = tmp_path / "codex_home"
+        codex_home.mkdir()
+        window = "model_context_window = 40000\nmodel_auto_compact_token_limit = 20000\n"
+        (codex_home / "config.toml").write_text(codex_config(proxy.url, window))
+        env = base_env(tmp_path / "home", agent_clis, CODEX_HOME=str(codex_home), LOCAL_KEY=KEY_PREFIX + "cx-long")
+        codex = [str(agent_clis / "codex"), "exec", "--skip-git-repo-check", "--json", "-m", "qwen3"]
+        # The summary Codex carries into its next context holds <summary>: only its instruction asks for one.
+        replica.backend.config.summary_markers = ("CONTEXT CHECKPOINT COMPACTION",)
+        # Each new context restarts the script's rounds: the budget ends the run.
+        steer(replica, {"exec_command": {"cmd": NUMBERS}}, 1000)
+        replica.backend.config.tool_budget = 44
+        run_cli(network, [*codex, "Print the numbers with the shell, again and again."], env=env, cwd=project)
+        spawn = {"message": "Run the marker command with the shell and report what it printed.", "$once": True}
+        wait = {"$agent_ids": "targets", "timeout_ms": 60000, "$once": True}
+        steer(replica, {"multi_agent_v1__spawn_agent": spawn, "multi_agent_v1__wait_agent": wait,
+                        "exec_command": {"cmd": NUMBERS}}, 1000)  # fmt: skip
+        replica.backend.tool_turns, replica.backend.config.tool_budget = 0, 3  # spawn, the child's call, wait
+        run_cli(network, [*codex, "resume", "--last", "Delegate the marker check to a sub-agent."], env=env,
+                cwd=project)  # fmt: skip
+        refused = re.findall(r"<< ([45]\d\d\b.*)", proxy.output())
+        assert not refused, (refused, proxy.output()[-6000:])
+
+    assert_token_exact(record_dir, replica)
+    turns, _ = assert_linked_episode(record_dir, "cx-long", "Codex")
+    calls = [t.call for t in turns]
+    assert calls.count("compaction") >= 2 and "subagent" in calls, calls
+    summaries = [t for t in turns if t.follows is not None and t.follows.how == "summary"]
+    assert len(summaries) == calls.count("compaction")  # every compaction continued from its summary
+    assert tool_round_trips(turns) >= 40
+    sub = next(t for t in turns if t.call == "subagent" and t.follows is not None)
+    assert sub.appended_messages[-1]["content"] == spawn["message"] or spawn["message"] in str(sub.appended_messages)
+    rows = assert_rows_per_segment(record_dir, tmp_path, replica, "cx-long", turns)
     assert {r["call"] for r in rows} == {"main", "compaction", "subagent"}

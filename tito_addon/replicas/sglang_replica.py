@@ -406,13 +406,7 @@ def _preferred_tool(
     """The first tool named in ``preferred`` that the request offers (the knob's order, not the request's), with its
     arguments once the steering keys are applied (`$once`, `$agent_ids`)."""
     offered = {str(f["name"]): f for f in fns}
-    called = {
-        str((call.get("function") or {}).get("name"))
-        for m in messages
-        if m.get("role") == "assistant"
-        for call in m.get("tool_calls") or []
-        if isinstance(call, dict)
-    }
+    called = {name for m in messages if m.get("role") == "assistant" for name in _called_tools(m)}
     for name, wanted in preferred.items():
         if name not in offered or (wanted.get("$once") and name in called):
             continue
@@ -424,6 +418,18 @@ def _preferred_tool(
             args[str(wanted["$agent_ids"])] = ids
         return offered[name], args
     return None
+
+
+_CALLED_NAME = re.compile(r'<tool_call>\s*\{"name":\s*"([^"]+)"')
+
+
+def _called_tools(message: dict[str, Any]) -> list[str]:
+    """The tools an assistant message called: its tool_calls, or (a conversation decoded from the prompt ids) the
+    names in its <tool_call> blocks."""
+    calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    if calls:
+        return [str((call.get("function") or {}).get("name")) for call in calls]
+    return _CALLED_NAME.findall(_text_of(message.get("content")))
 
 
 def _agent_ids(messages: list[dict[str, Any]]) -> list[str]:

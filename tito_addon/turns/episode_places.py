@@ -12,9 +12,9 @@ these is a new root: no stored turn's history is its prefix. The rules below pla
   1. a user message holds a recorded summary verbatim (what a compaction turn answered, the inside of its
      `<summary>` block where it has one): the context rebuilt after that compaction; it continues the compacted
      segment's call and `follows` the summary turn (how: `summary`);
-  2. its first user message is a recorded tool call's argument (equal to it; or holding it, for the agents' own
-     spawning tools, `SPAWNING_TOOLS`): a sub-agent, `follows` the turn whose call spawned it, with the call's id
-     (how: `tool_argument`);
+  2. a user message is a recorded tool call's argument (equal to it; or holding it, for the agents' own spawning
+     tools, `SPAWNING_TOOLS`): a sub-agent, `follows` the turn whose call spawned it, with the call's id (how:
+     `tool_argument`). Any user message: Codex puts its environment before the task;
   3. otherwise, in an automatic session it starts an episode of its own (`main`); in a named session the first root
      is `main`, and any later one a `side` call, with the reason.
 - A compaction item the proxy minted (server-side compaction) names its summary turn exactly (how: `compaction_item`).
@@ -181,12 +181,11 @@ class EpisodeLinks:
             if any(summary in text for text in user_texts):
                 follows = Follows(target.session_id, target.turn_id, "summary")
                 return EpisodePlace(target.episode, target.resumes, follows)
-        first = user_texts[0].strip() if user_texts else ""
-        if first:
-            for argument, spawning, target in self._arguments.get(scope, ()):
-                if argument == first or (spawning and argument in first):
-                    follows = Follows(target.session_id, target.turn_id, "tool_argument", target.tool_call_id)
-                    return EpisodePlace(target.episode, "subagent", follows)
+        stripped = [text.strip() for text in user_texts]
+        for argument, spawning, target in self._arguments.get(scope, ()):
+            if argument in stripped or (spawning and any(argument in text for text in user_texts)):
+                follows = Follows(target.session_id, target.turn_id, "tool_argument", target.tool_call_id)
+                return EpisodePlace(target.episode, "subagent", follows)
         if not named or first_root:
             return EpisodePlace(None)
         return EpisodePlace(None, "side", reason="a new root of the session that holds no recorded summary and "
