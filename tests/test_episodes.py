@@ -263,3 +263,111 @@ def test_a_codex_compaction_continues_in_the_context_rebuilt_from_its_summary(pr
     assert turns[3].follows.model_dump(exclude_none=True) == {
         "session": turns[0].session_id, "turn_id": turns[2].turn_id, "how": "summary"
     }  # fmt: skip
+
+
+def responses_api(proxy, session: str | None = None) -> openai.OpenAI:
+    headers = {"x-session-id": session} if session else None
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0, default_headers=headers)
+
+
+EXEC = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Run a command.",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+}
+
+
+def worked(api: openai.OpenAI) -> list:
+    """A tool round trip and its answer: a conversation worth compacting."""
+    items: list = [{"role": "user", "content": "Check this folder."}]
+    call = api.responses.create(model="qwen3", input=items, tools=[EXEC], instructions="You are Codex.")
+    items += [item.model_dump(exclude_none=True) for item in call.output]
+    calls = [item for item in call.output if item.type == "function_call"]
+    items += [{"type": "function_call_output", "call_id": c.call_id, "output": "a.txt"} for c in calls]
+    answer = api.responses.create(model="qwen3", input=items, tools=[EXEC], instructions="You are Codex.")
+    return items + [item.model_dump(exclude_none=True) for item in answer.output]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_compaction_trigger_is_served_by_the_model_and_continued_from_its_item(proxy, replica, stream) -> None:
+    """Codex's server-side compaction (a provider named `azure`): the trigger's turn is the model's own summary,
+    recorded token exact as a compaction; its sealed item starts the next context, which follows it."""
+    api = responses_api(proxy, "cx-remote")
+    items = worked(api)
+    trigger = [*items, {"type": "compaction_trigger"}]
+    if stream:
+        with api.responses.stream(model="qwen3", input=trigger, tools=[EXEC], instructions="You are Codex.") as events:
+            kinds = [event.type for event in events]
+            compacted = events.get_final_response()
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert "response.output_text.delta" not in kinds and "response.reasoning_text.delta" not in kinds
+    else:
+        compacted = api.responses.create(model="qwen3", input=trigger, tools=[EXEC], instructions="You are Codex.")
+    (item,) = compacted.output
+    assert item.type == "compaction" and item.id.startswith("cmp_") and item.encrypted_content
+    # Codex's next context: its instructions and user messages, then the compaction item as it came.
+    rebuilt = [items[0], item.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    nxt = api.responses.create(model="qwen3", input=rebuilt, tools=[EXEC], instructions="You are Codex.")
+    rebuilt += [i.model_dump(exclude_none=True) for i in nxt.output]
+    calls = [i for i in nxt.output if i.type == "function_call"]
+    rebuilt += [{"type": "function_call_output", "call_id": c.call_id, "output": "b.txt"} for c in calls]
+    api.responses.create(model="qwen3", input=rebuilt, tools=[EXEC], instructions="You are Codex.")
+    turns = sorted(assert_token_exact(proxy.record_dir, replica), key=lambda t: t.ts)
+    assert [t.call for t in turns] == ["main", "main", "compaction", "main", "main"]
+    summary, root, after = turns[2], turns[3], turns[4]
+    assert summary.parent_turn_id == turns[1].turn_id
+    assert summary.call_reason == "a compaction this proxy served (compaction_trigger)"
+    assert summary.appended_messages[-1]["content"].startswith("Your context is about to be compacted.")
+    assert root.parent_turn_id is None and after.parent_turn_id == root.turn_id
+    assert root.follows.model_dump(exclude_none=True) == {
+        "session": "cx-remote",
+        "turn_id": 2,
+        "how": "compaction_item",
+    }
+    # The item reads as the summary the model wrote (the inside of its <summary> block).
+    text = summary.assistant_message["content"]
+    inside = text.split("<summary>")[1].split("</summary>")[0].strip()
+    assert root.appended_messages[2] == {"role": "user", "content": inside}  # after the instructions and the task
+
+
+def test_the_compact_endpoint_answers_the_user_messages_and_a_sealed_item(proxy, replica) -> None:
+    api = responses_api(proxy)
+    items = worked(api)
+    raw = api.responses.with_raw_response.compact(model="qwen3", input=items, instructions="You are Codex.")
+    compacted = json.loads(raw.text)  # as it came: what Codex echoes
+    assert compacted["object"] == "response.compaction"
+    assert [o["type"] for o in compacted["output"]] == ["message", "compaction"]
+    assert compacted["output"][0]["content"] == [{"type": "input_text", "text": "Check this folder."}]
+    assert compacted["usage"]["input_tokens"] > 0 and compacted["usage"]["output_tokens"] > 0
+    rebuilt = [*compacted["output"], {"role": "user", "content": "Go on."}]
+    api.responses.create(model="qwen3", input=rebuilt, tools=[EXEC], instructions="You are Codex.")
+    turns = sorted(assert_token_exact(proxy.record_dir, replica), key=lambda t: t.ts)
+    assert [t.call for t in turns] == ["main", "main", "compaction", "main"]
+    assert turns[2].call_reason == "a compaction this proxy served (the compact endpoint)"
+    assert turns[3].follows.how == "compaction_item" and turns[3].follows.turn_id == turns[2].turn_id
+    assert turns[3].episode == turns[0].episode
+
+
+def test_bad_compactions_are_refused_in_the_responses_shape_and_record_nothing(proxy, replica) -> None:
+    api = responses_api(proxy, "cx-a")
+    items = worked(api)
+    compacted = api.responses.create(model="qwen3", input=[*items, {"type": "compaction_trigger"}], tools=[EXEC])
+    item = compacted.output[0].model_dump(exclude_none=True)
+    before = len(replica.generated())
+    forged = {**item, "encrypted_content": item["encrypted_content"][:-4] + "AAAA"}
+    cases = {
+        "forged": (responses_api(proxy, "cx-a"), [items[0], forged], "did not mint"),
+        "another session's": (responses_api(proxy, "cx-b"), [items[0], item], "belongs to another session"),
+        "nothing to compact": (responses_api(proxy, "cx-c"), [{"type": "compaction_trigger"}], "nothing to compact"),
+        "trigger not last": (api, [*items, {"type": "compaction_trigger"}, items[0]], "must be the last item"),
+    }
+    for name, (client, given, words) in cases.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="qwen3", input=given, tools=[EXEC], instructions="You are Codex.")
+        assert words in refused.value.message and refused.value.body["type"] == "invalid_request_error", name
+    with pytest.raises(openai.BadRequestError):
+        responses_api(proxy, "cx-c").responses.compact(model="qwen3", input=[], instructions="You are Codex.")
+    assert len(replica.generated()) == before  # nothing forwarded
+    recorded = {t.session_id for t in assert_token_exact(proxy.record_dir, replica)}
+    assert recorded == {"cx-a"}

@@ -62,7 +62,7 @@ class Route:
     """Where a request goes: its API, the action, the session id in its path, and the backend's chat path."""
 
     api: AgentApi
-    action: str  # "turn", or "count_tokens"
+    action: str  # "turn", "count_tokens", or "compact" (a compaction the proxy serves: /v1/responses/compact)
     path_session_id: str | None  # still percent-encoded, as it appeared in `/sessions/{id}/`
     chat_path: str  # the backend's chat-completions path for this turn (the agent's own prefix kept)
 
@@ -83,6 +83,10 @@ class AgentRequest:
     # What the prompt leaves out of the request and the record says (hosted tools, unreadable reasoning).
     dropped: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # API-specific reply options
+    # A compaction the proxy is asked to serve (what asked: `compaction_trigger`, `/responses/compact`), and the
+    # replies whose summaries the request's compaction items carry, oldest first (`protocols/compaction_items`).
+    compacts: str | None = None
+    compaction_refs: list[str] = field(default_factory=list)
 
     def appended_items(self, first_appended: int) -> list[dict[str, Any]]:
         """The agent's own items from the one the first appended canonical message came from."""

@@ -29,19 +29,22 @@ import re
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage
-from tito_addon.protocols.openai_responses_models import ResponsesRequest
-from tito_addon.protocols.openai_responses_reply import ResponsesResponder
+from tito_addon.protocols.agent_api import AgentRequest, ReplyContext
+from tito_addon.protocols.openai_responses_models import MessageItem, ResponsesRequest
+from tito_addon.protocols.openai_responses_reply import CompactionResponder, ResponsesResponder
 from tito_addon.protocols.openai_responses_translation import (
     NAMESPACE_JOIN,
     ResponsesTranslation,
     TranslatedItems,
     closes_run,
 )
-from tito_addon.protocols.translated_api import TranslatedApi
+from tito_addon.protocols.translated_api import TranslatedApi, TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
 from tito_addon.tito_errors import BadRequest, UpstreamPassthrough
 
-RESPONSES_PATH = re.compile(r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?#]*)?)/v1/responses/?(?:\?.*)?$")
+RESPONSES_PATH = re.compile(
+    r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?#]*)?)/v1/responses(?P<compact>/compact)?/?(?:\?.*)?$"
+)
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 RESPONSES_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error"}
 # The request's fields a response object echoes back.
@@ -159,6 +162,19 @@ def unsupported_item(raw: dict[str, Any]) -> BadRequest | None:
     return None
 
 
+def user_items(given: str | list[Any]) -> list[dict[str, Any]]:
+    """What `/responses/compact` answers before its compaction item: the conversation's user messages, their text in
+    parts as the API gives output messages."""
+    messages = [item for item in given if isinstance(item, MessageItem) and item.role == "user"] if isinstance(
+        given, list) else [MessageItem(role="user", content=given)]  # fmt: skip
+    out = []
+    for message in messages:
+        parts = [{"type": "input_text", "text": message.content}] if isinstance(message.content, str) else [
+            part.model_dump(mode="json", exclude_none=True) for part in message.content]  # fmt: skip
+        out.append({"type": "message", "role": "user", "content": parts})
+    return out
+
+
 class OpenAIResponsesApi(TranslatedApi[ResponsesTranslation]):
     name = "openai_responses"
     path = RESPONSES_PATH
@@ -211,6 +227,15 @@ class OpenAIResponsesApi(TranslatedApi[ResponsesTranslation]):
             tuple(chat),
         ), None
 
+    def close(self, translation: ResponsesTranslation) -> None:
+        if translation.trigger is not None and translation.compacts is None:
+            self.serve_compaction(translation, translation.trigger[0], "compaction_trigger")
+
+    def responder(self, request: AgentRequest, context: ReplyContext) -> TranslatedResponder:
+        if request.compacts is not None:
+            return CompactionResponder(request, context)
+        return super().responder(request, context)
+
     def fill(
         self, request: ResponsesRequest, translation: ResponsesTranslation, chat_body: dict[str, Any]
     ) -> dict[str, Any]:
@@ -230,6 +255,7 @@ class OpenAIResponsesApi(TranslatedApi[ResponsesTranslation]):
             "request": request.model_dump(mode="json", include=ECHOED_FIELDS),
             "namespaces": namespaces,
             "sealed": ENCRYPTED_REASONING in (request.include or []),
+            "user_items": user_items(request.input),
         }
 
     def thinking(self, request: ResponsesRequest) -> bool | None:

@@ -63,7 +63,25 @@ class ReasoningItem(_Open):
     id: str | None = None
 
 
-Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Field(discriminator="type")]
+class CompactionItem(_Open):
+    """A compaction this proxy served: its `encrypted_content` seals the summary (see `compaction_items`)."""
+
+    type: Literal["compaction"]
+    encrypted_content: Annotated[StrictStr, Field(min_length=1, max_length=8 * 1024 * 1024)]
+    id: str | None = None
+
+
+class CompactionTriggerItem(_Open):
+    """The last item of a request that asks the server to compact the conversation before it."""
+
+    type: Literal["compaction_trigger"]
+    id: str | None = None
+
+
+Item = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CompactionItem | CompactionTriggerItem,
+    Field(discriminator="type"),
+]
 
 
 class ReasoningConfig(_Open):

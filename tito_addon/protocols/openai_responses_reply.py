@@ -12,6 +12,7 @@ from typing import Any
 
 from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import REFRAMED_STREAM_HEADERS, AgentRequest, ReplyContext, TurnOutcome
+from tito_addon.protocols.compaction_items import COMPACT_ENDPOINT, COMPACTION_PURPOSE, summary_of
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.translated_api import TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
@@ -238,3 +239,54 @@ class ResponsesResponder(TranslatedResponder):
         failed = self.response("failed", None)
         failed["error"] = {"code": "server_error", "message": f"{message}; nothing was recorded"}
         return self._event("response.failed", response=failed)
+
+
+class CompactionResponder(ResponsesResponder):
+    """A compaction the proxy served (`compaction_items`): one `compaction` item whose encrypted_content seals the
+    summary, never the summary turn's text or reasoning as items. `/responses/compact` answers with the
+    conversation's user messages and the item (`response.compaction`); a `compaction_trigger` turn with a response
+    (streamed when asked) whose output is the item."""
+
+    def __init__(self, request: AgentRequest, context: ReplyContext) -> None:
+        super().__init__(request, context)
+        self.endpoint = request.compacts == COMPACT_ENDPOINT
+        self.item: dict[str, Any] = {"id": new_id("cmp_"), "type": "compaction", "encrypted_content": ""}
+
+    def sealed_item(self, outcome: TurnOutcome) -> dict[str, Any]:
+        summary = summary_of(outcome.message.get("content") or "")
+        sealed = self.context.signer.seal_text(COMPACTION_PURPOSE, self.reply_id, summary)
+        return {**self.item, "encrypted_content": sealed}
+
+    def reply(self, outcome: TurnOutcome) -> HttpReply:
+        item = self.sealed_item(outcome)
+        if self.endpoint:
+            usage = self.response("completed", outcome)["usage"]
+            body = {"id": self.reply_id, "object": "response.compaction", "created_at": self.created_at,
+                    "output": [*self.request.extra["user_items"], item], "usage": usage}  # fmt: skip
+            return HttpReply(200, {"content-type": "application/json"}, dumps_exact(body, allow_nan=True))
+        if self.request.stream:
+            return HttpReply(200, dict(REFRAMED_STREAM_HEADERS), self.reframed(outcome))
+        self.items = [item]
+        body = dumps_exact(self.response("completed", outcome), allow_nan=True)
+        return HttpReply(200, {"content-type": "application/json"}, body)
+
+    def _started(self) -> bytes:
+        if self.items:
+            return b""
+        self.items.append(self.item)
+        return self._event("response.output_item.added", output_index=0, item={**self.item})
+
+    def reasoning_delta(self, reasoning: str) -> bytes:
+        return self._started()
+
+    def text_delta(self, text: str) -> bytes:
+        return self._started()
+
+    def call_delta(self, call: dict[str, Any]) -> bytes:
+        return self._started()
+
+    def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
+        out = self._started()
+        self.items[0] = self.sealed_item(outcome)
+        out += self._event("response.output_item.done", output_index=0, item=self.items[0])
+        return out + self._event("response.completed", response=self.response("completed", outcome))

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.protocols.compaction_items import COMPACTION_PURPOSE
 from tito_addon.protocols.openai_responses_models import (
+    CompactionItem,
+    CompactionTriggerItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     MediaPart,
@@ -54,16 +57,35 @@ class ResponsesTranslation(ChatTranslation):
         self.assistant: dict[str, Any] | None = None  # the assistant message the current run of items builds
         self.tools: list[dict[str, Any]] | None = None
         self.namespaces: dict[str, tuple[str, str]] = {}
+        self.trigger: tuple[int, str] | None = None  # where a compaction_trigger item stands
 
     def item(self, index: int, item: Any, where: str) -> None:
+        if self.trigger is not None:
+            raise BadRequest(f"{self.trigger[1]}: a compaction_trigger item must be the last item; nothing was "
+                             "forwarded")  # fmt: skip
         if isinstance(item, MessageItem):
             self.message(index, item, where)
         elif isinstance(item, FunctionCallItem):
             self.function_call(index, item)
         elif isinstance(item, FunctionCallOutputItem):
             self.output(index, item, where)
+        elif isinstance(item, CompactionItem):
+            self.compaction(index, item, where)
+        elif isinstance(item, CompactionTriggerItem):
+            self.trigger = (index, where)
         else:
             self.reasoning(index, item, where)
+
+    def compaction(self, item: int, compaction: CompactionItem, where: str) -> None:
+        """A summary this proxy served, as the user message it stands for in the context it starts."""
+        opened = self.signer.open_text(COMPACTION_PURPOSE, compaction.encrypted_content) if self.signer else None
+        if opened is None:
+            raise BadRequest(f"{where}: a compaction item whose encrypted_content this proxy did not mint (or not for "
+                             "this text); there is no summary to read in its place; nothing was forwarded")  # fmt: skip
+        reply_id, summary = opened
+        self.assistant = None
+        self.compaction_refs.append(reply_id)
+        self.add(item, {"role": "user", "content": summary})
 
     def assistant_at(self, item: int) -> dict[str, Any]:
         if self.assistant is None:
@@ -125,4 +147,6 @@ class TranslatedItems:
 
 def closes_run(item: Any) -> bool:
     """Whether an item ends the run of assistant-side items before it (see `ResponsesTranslation`)."""
-    return isinstance(item, FunctionCallOutputItem) or (isinstance(item, MessageItem) and item.role != "assistant")
+    if isinstance(item, FunctionCallOutputItem | CompactionItem | CompactionTriggerItem):
+        return True
+    return isinstance(item, MessageItem) and item.role != "assistant"

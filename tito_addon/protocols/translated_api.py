@@ -42,6 +42,7 @@ from tito_addon.protocols.agent_api import (
     chunks_from_message,
     with_known_chat,
 )
+from tito_addon.protocols.compaction_items import COMPACT_ENDPOINT, SERVED_COMPACTION_PROMPT
 from tito_addon.protocols.json_body import validated
 from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.known_requests import Extension, KnownRequests
@@ -75,6 +76,10 @@ class ChatTranslation:
         self.notes: list[str] = []
         self.signatures: list[Signature] = []  # those of the newest item that holds any
         self.units: list[ItemTranslation] = []  # each item's translation, where items translate on their own
+        # A compaction the request asks the proxy to serve (what asked for it), and the replies whose summaries its
+        # compaction items carry (see `compaction_items`).
+        self.compacts: str | None = None
+        self.compaction_refs: list[str] = []
 
     def add(self, item: int, message: dict[str, Any]) -> dict[str, Any]:
         self.messages.append(message)
@@ -136,7 +141,8 @@ class TranslatedApi[T: ChatTranslation]:
         match = self.path.match(path)
         if match is None:
             return None
-        action = "count_tokens" if match.groupdict().get("count") else "turn"
+        found = match.groupdict()
+        action = "count_tokens" if found.get("count") else "compact" if found.get("compact") else "turn"
         return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")  # type: ignore[arg-type]
 
     def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
@@ -153,6 +159,8 @@ class TranslatedApi[T: ChatTranslation]:
                 known = self.resume(translation, prior, offset)
             for position, item in enumerate(appended, len(native) - len(appended)):
                 self.translate_item(translation, offset + position, item, f"{self.member}.{position}")
+        if action == "compact":
+            self.serve_compaction(translation, len(items), COMPACT_ENDPOINT)
         self.close(translation)
         if not translation.messages:
             raise BadRequest(f"the request has no {self.item_noun} the model can read")
@@ -163,7 +171,8 @@ class TranslatedApi[T: ChatTranslation]:
         chat = with_known_chat(chat_body, found, walked=True) or validated(
             ChatRequest, chat_body, self.noun, bounded=True
         )
-        if exact and type(native) is list:
+        # A served compaction's reading holds the instruction the proxy added: no ordinary request may take it.
+        if exact and type(native) is list and translation.compacts is None:
             self._remember(body, raw, *self.reading(translation, chat.messages[leading:], leading, offset), extension)
         return AgentRequest(
             chat=chat,
@@ -175,6 +184,8 @@ class TranslatedApi[T: ChatTranslation]:
             previous_response_id=self.previous_reply(request),
             dropped=translation.dropped + translation.notes,
             extra=extra,
+            compacts=translation.compacts,
+            compaction_refs=translation.compaction_refs,
         )
 
     def _validated(self, raw: dict[str, Any], extension: Extension | None) -> tuple[Any, list[Any], Any]:
@@ -262,6 +273,15 @@ class TranslatedApi[T: ChatTranslation]:
     def resume(self, translation: T, prior: Any, offset: int) -> list[ChatMessage]:
         """Take the known items' reading; their messages validated."""
         return translation.take(offset, prior)
+
+    def serve_compaction(self, translation: T, index: int, asked_by: str) -> None:
+        """Ask the model for a summary of the conversation so far (`compaction_items`): the request is a compaction
+        the proxy serves. A conversation with nothing but its system prompt has nothing to compact."""
+        if not any(message["role"] != "system" for message in translation.messages):
+            raise BadRequest(f"a compaction ({asked_by}) of a conversation that holds nothing to compact; nothing "
+                             "was forwarded")  # fmt: skip
+        translation.compacts = asked_by
+        translation.add(index, {"role": "user", "content": SERVED_COMPACTION_PROMPT})
 
     def close(self, translation: T) -> None:
         """What depends on all the items (the newest signatures checked)."""

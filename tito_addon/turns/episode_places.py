@@ -25,13 +25,13 @@ sibling roots), named `SESSION/TURN` after that root.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage, parse_arguments
+from tito_addon.protocols.compaction_items import summary_of
 from tito_addon.sessions.session_tree import TurnNode
 
 
@@ -49,7 +49,6 @@ COMPACTION_PROMPTS = (
 # Tools whose argument is a sub-agent's first message, as the agent words it (Claude Code's task tool, Codex's agent
 # spawning): a new root that holds such an argument is that sub-agent even when the agent wraps it.
 SPAWNING_TOOLS = frozenset({"Task", "Agent", "spawn_agent"})
-SUMMARY_BLOCK = re.compile(r"<summary>(.*?)</summary>", re.DOTALL)
 MIN_SUMMARY_CHARS = 32  # shorter texts would link by accident
 MIN_ARGUMENT_CHARS = 24
 MAX_TARGET_CHARS = 256 * 1024  # a longer text is not remembered (bounded memory; no agent sends such a summary)
@@ -108,13 +107,6 @@ def compaction_prompt(messages: Sequence[ChatMessage]) -> CompactionPrompt | Non
         if message.role == "assistant":
             return None
     return None
-
-
-def summary_of(text: str) -> str:
-    """What an agent carries into its next context of a summary turn's answer: the inside of its last `<summary>`
-    block, else the whole answer; stripped."""
-    blocks = SUMMARY_BLOCK.findall(text)
-    return (blocks[-1] if blocks else text).strip()
 
 
 def interrupted_call(node: TurnNode | None) -> str:
