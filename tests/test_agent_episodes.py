@@ -40,6 +40,7 @@ pytestmark = [pytest.mark.full, pytest.mark.serial]
 # ~2.8k Qwen3 tokens a round: Claude Code's window (100000, the least it takes) fills in ~16 rounds.
 NUMBERS = "seq 100000 100400; echo tito-ok $(readlink /proc/self/ns/net)"
 KEY_PREFIX = "sk-tito-"
+SERVED = "a compaction this proxy served (compaction_trigger)"
 CONTEXT = 150_000  # past Claude Code's window (100000), short of its prompt + max_tokens (128000)
 SUBAGENT = {
     "description": "Print a marker",
@@ -82,7 +83,7 @@ def assert_linked_episode(record_dir: Path, episode: str, agent: str) -> tuple[l
     for root in roots[1:]:
         assert root.follows is not None and root.follows.session == episode, root
         followed = turns[root.follows.turn_id]
-        if root.follows.how == "summary":
+        if root.follows.how in ("summary", "compaction_item"):
             assert root.call == "main" and followed.call == "compaction"
             assert followed.ts < root.ts
         else:
@@ -91,7 +92,7 @@ def assert_linked_episode(record_dir: Path, episode: str, agent: str) -> tuple[l
             assert root.follows.tool_call_id in ids
     for turn in session_file.turns:
         if turn.call == "compaction":
-            assert turn.call_reason == f"{agent}'s compaction instruction"
+            assert turn.call_reason in (f"{agent}'s compaction instruction", SERVED)
             assert turn.parent_turn_id is not None and turns[turn.parent_turn_id].call == "main"
     return session_file.turns, rows
 
@@ -204,6 +205,18 @@ def test_a_long_codex_episode_is_one_linked_episode(network, agent_clis, replica
         steer(replica, {"exec_command": {"cmd": NUMBERS}}, 1000)
         replica.backend.config.tool_budget = 44
         run_cli(network, [*codex, "Print the numbers with the shell, again and again."], env=env, cwd=project)
+        # An explicit server-side compaction: a provider named `azure` compacts with a compaction_trigger item, here
+        # asked for after this turn; the proxy serves it with the model and the next request echoes its item.
+        replica.backend.config.summary_markers = (
+            "CONTEXT CHECKPOINT COMPACTION",
+            "Your context is about to be compacted",
+        )
+        replica.backend.tool_turns, replica.backend.config.tool_budget = 0, 2
+        remote = ["-c", 'model_providers.local.name="azure"', "-c", "model_post_turn_compact_threshold_percent=1"]
+        run_cli(network, [*codex, *remote, "resume", "--last", "Print them twice more."], env=env, cwd=project)
+        replica.backend.tool_turns, replica.backend.config.tool_budget = 0, 1
+        run_cli(network, [*codex, "-c", 'model_providers.local.name="azure"', "resume", "--last", "Once more."],
+                env=env, cwd=project)  # fmt: skip
         spawn = {"message": "Run the marker command with the shell and report what it printed.", "$once": True}
         wait = {"$agent_ids": "targets", "timeout_ms": 60000, "$once": True}
         steer(replica, {"multi_agent_v1__spawn_agent": spawn, "multi_agent_v1__wait_agent": wait,
@@ -219,8 +232,15 @@ def test_a_long_codex_episode_is_one_linked_episode(network, agent_clis, replica
     calls = [t.call for t in turns]
     assert calls.count("compaction") >= 2 and "subagent" in calls, calls
     summaries = [t for t in turns if t.follows is not None and t.follows.how == "summary"]
-    assert len(summaries) == calls.count("compaction")  # every compaction continued from its summary
+    served = [t for t in turns if t.call_reason == "a compaction this proxy served (compaction_trigger)"]
+    items = [t for t in turns if t.follows is not None and t.follows.how == "compaction_item"]
+    assert len(served) >= 1 and len(items) >= 1
+    assert {t.follows.turn_id for t in items} <= {t.turn_id for t in served}
+    # Every compaction continued from its summary: the local ones by the summary's text, the served by their item.
+    assert len(summaries) + len(items) == calls.count("compaction")
     assert tool_round_trips(turns) >= 40
+    spawned = [t.follows.tool_call_id for t in turns if t.call == "subagent" and t.follows is not None]
+    assert len(spawned) == len(set(spawned))  # sub-agents with the same task: each follows its own call
     sub = next(t for t in turns if t.call == "subagent" and t.follows is not None)
     assert sub.appended_messages[-1]["content"] == spawn["message"] or spawn["message"] in str(sub.appended_messages)
     rows = assert_rows_per_segment(record_dir, tmp_path, replica, "cx-long", turns)

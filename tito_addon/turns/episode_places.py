@@ -132,6 +132,8 @@ class EpisodeLinks:
         self.scopes = scopes
         self._summaries: OrderedDict[str, deque[tuple[str, LinkTarget]]] = OrderedDict()
         self._arguments: OrderedDict[str, deque[tuple[str, bool, LinkTarget]]] = OrderedDict()
+        # Tool calls a sub-agent was placed after: a second sub-agent with the same task is the next such call's.
+        self._spawned: OrderedDict[tuple[str, int, str | None], None] = OrderedDict()
 
     def _entries(self, table: OrderedDict[str, deque], scope: str) -> deque:
         entries = table.get(scope)
@@ -174,10 +176,21 @@ class EpisodeLinks:
                 follows = Follows(target.session_id, target.turn_id, "summary")
                 return EpisodePlace(target.episode, target.resumes, follows)
         stripped = [text.strip() for text in user_texts]
+        found: list[LinkTarget] = []
         for argument, spawning, target in self._arguments.get(scope, ()):
             if argument in stripped or (spawning and any(argument in text for text in user_texts)):
-                follows = Follows(target.session_id, target.turn_id, "tool_argument", target.tool_call_id)
-                return EpisodePlace(target.episode, "subagent", follows)
+                found.append(target)
+        if found:
+            # Newest first; among calls with the same task, the oldest no sub-agent follows yet.
+            same = [t for t in found if (t.session_id, t.turn_id) == (found[0].session_id, found[0].turn_id)]
+            free = [t for t in same if (t.session_id, t.turn_id, t.tool_call_id) not in self._spawned]
+            target = (free or same)[-1]
+            # Taken now, not at the commit: sub-agents spawned together start together.
+            self._spawned[(target.session_id, target.turn_id, target.tool_call_id)] = None
+            while len(self._spawned) > self.scopes * self.per_scope:
+                self._spawned.popitem(last=False)
+            follows = Follows(target.session_id, target.turn_id, "tool_argument", target.tool_call_id)
+            return EpisodePlace(target.episode, "subagent", follows)
         if not named or first_root:
             return EpisodePlace(None)
         return EpisodePlace(None, "side", reason="a new root of the session that holds no recorded summary and "
