@@ -87,11 +87,15 @@ def with_text(message: dict, text: str) -> dict:
     return {"role": "user", "content": [*message["content"], {"type": "text", "text": text}]}
 
 
-def claude_code_episode(api: anthropic.Anthropic) -> dict[str, str]:
+def claude_code_episode(*apis: anthropic.Anthropic) -> dict[str, str]:
     """Main turns, a compaction (a sibling of the last main turn, as Claude Code sends it), the context rebuilt from
-    the summary, a sub-agent spawned from it and answered, and a side call. Returns the summary text."""
+    the summary, a sub-agent spawned from it and answered, and a side call; request N through `apis[N % len]`.
+    Returns the summary text and the id of the call that spawned the sub-agent."""
+    sent = [0]
 
     def create(messages, tools=(BASH,), **kw):
+        api = apis[sent[0] % len(apis)]
+        sent[0] += 1
         return api.messages.create(model="qwen3", max_tokens=400, tools=list(tools), messages=messages, **kw)
 
     system = "You are Claude Code."
@@ -124,7 +128,7 @@ def claude_code_episode(api: anthropic.Anthropic) -> dict[str, str]:
     rebuilt += [echo(spawn), results(spawn, "  " + report.replace("\n", "\n  "))]
     create(rebuilt, tools=(AGENT, BASH), system=system)  # 8: the parent goes on
     side = [{"role": "user", "content": "Write a five word title for: Check this folder."}]
-    api.messages.create(model="claude-haiku", max_tokens=30, messages=side)  # 9: a side call
+    apis[sent[0] % len(apis)].messages.create(model="claude-haiku", max_tokens=30, messages=side)  # 9: a side call
     return {"summary": summary, "spawn_call": use.id}
 
 
@@ -137,6 +141,19 @@ def places(record_dir: Path) -> dict[tuple[str, int], dict]:
     rows = [json.loads(line) for line in shown.stdout.splitlines()]
     keys = ("episode", "call", "follows", "parent_turn_id")
     return {(row["session_id"], row["turn_id"]): {k: row[k] for k in keys} for row in rows}
+
+
+def named_places(session: str, spawn_call: str) -> dict[tuple[str, int], dict]:
+    """What `claude_code_episode` in a named session places where (see `places`)."""
+    summary_link = {"session": session, "turn_id": 4, "how": "summary"}
+    spawn_link = {"session": session, "turn_id": 5, "tool_call_id": spawn_call, "how": "tool_argument"}
+    shape = [("main", None, None), ("main", None, 0), ("main", None, 1), ("main", None, 2), ("compaction", None, 2),
+             ("main", summary_link, None), ("subagent", spawn_link, None), ("subagent", None, 6), ("main", None, 5),
+             ("side", None, None)]  # fmt: skip
+    return {
+        (session, turn): {"episode": session, "call": call, "follows": follows, "parent_turn_id": parent}
+        for turn, (call, follows, parent) in enumerate(shape)
+    }
 
 
 def export_rows(record_dir: Path, tmp_path: Path, *args: str) -> list[dict]:
@@ -154,21 +171,7 @@ def test_a_named_claude_code_episode_is_one_episode_of_linked_segments(proxy, re
     seen = claude_code_episode(api)
     turns = assert_token_exact(proxy.record_dir, replica)
     assert len(turns) == 10 and {t.session_id for t in turns} == {"ep-cc"}
-    got = places(proxy.record_dir)
-    summary_link = {"session": "ep-cc", "turn_id": 4, "how": "summary"}
-    spawn_link = {"session": "ep-cc", "turn_id": 5, "tool_call_id": seen["spawn_call"], "how": "tool_argument"}
-    assert got == {
-        ("ep-cc", 0): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": None},
-        ("ep-cc", 1): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 0},
-        ("ep-cc", 2): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 1},
-        ("ep-cc", 3): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 2},
-        ("ep-cc", 4): {"episode": "ep-cc", "call": "compaction", "follows": None, "parent_turn_id": 2},
-        ("ep-cc", 5): {"episode": "ep-cc", "call": "main", "follows": summary_link, "parent_turn_id": None},
-        ("ep-cc", 6): {"episode": "ep-cc", "call": "subagent", "follows": spawn_link, "parent_turn_id": None},
-        ("ep-cc", 7): {"episode": "ep-cc", "call": "subagent", "follows": None, "parent_turn_id": 6},
-        ("ep-cc", 8): {"episode": "ep-cc", "call": "main", "follows": None, "parent_turn_id": 5},
-        ("ep-cc", 9): {"episode": "ep-cc", "call": "side", "follows": None, "parent_turn_id": None},
-    }
+    assert places(proxy.record_dir) == named_places("ep-cc", seen["spawn_call"])
     by_id = {t.turn_id: t for t in turns}
     assert by_id[4].call_reason == "Claude Code's compaction instruction"
     assert "no recorded summary" in by_id[9].call_reason
@@ -371,3 +374,77 @@ def test_bad_compactions_are_refused_in_the_responses_shape_and_record_nothing(p
     assert len(replica.generated()) == before  # nothing forwarded
     recorded = {t.session_id for t in assert_token_exact(proxy.record_dir, replica)}
     assert recorded == {"cx-a"}
+
+
+def test_the_control_api_serves_an_episodes_segments_and_scopes_its_notes(replica, tmp_path: Path) -> None:
+    """The control API's rows take `calls` as export does (the same bytes), and a note scoped to a segment stays
+    there while the episode's reward reaches every row."""
+    from tito_addon.client import TitoClient, TitoControlError
+    from tito_addon.replicas.proxy_process import Mitmdump
+
+    replica.backend.reset()
+    token, record_dir = "episode-control-token-0123", tmp_path / "rec"
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  options={"tito_control_token": token}) as proxy:  # fmt: skip
+        api = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", default_headers={"x-session-id": "ep-ctl"},
+                                  max_retries=0)  # fmt: skip
+        claude_code_episode(api)
+        with TitoClient(proxy.url, token) as tito:
+            tito.annotate("ep-ctl", reward=0.5)
+            tito.annotate("ep-ctl", turn_id=4, reward=0.25, scope="segment", labels=["summary"])
+            rows = tito.rows("ep-ctl")
+            assert [(r["segment"], r["call"], r["reward"]) for r in rows] == [
+                (0, "main", 0.5), (1, "compaction", 0.25), (2, "main", 0.5), (3, "subagent", 0.5), (4, "side", 0.5)
+            ]  # fmt: skip
+            assert [r["labels"] for r in rows] == [[], ["summary"], [], [], []]
+            kept = tito.rows("ep-ctl", calls="main,subagent")
+            assert [(r["segment"], r["call"]) for r in kept] == [(0, "main"), (2, "main"), (3, "subagent")]
+            fetched = tito.rows_parquet("ep-ctl", format="verl", calls="main,subagent")
+            with pytest.raises(TitoControlError) as refused:
+                tito.rows("ep-ctl", calls="main,bogus")
+            assert refused.value.status == 400
+            with pytest.raises(TitoControlError) as bad_scope:
+                tito.annotate("ep-ctl", turn_id=1, reward=1.0, scope="branch")
+            assert bad_scope.value.status == 400
+    out = tmp_path / "kept.parquet"
+    argv = ["export", str(record_dir), str(out), "--session", "ep-ctl", "--format", "verl", "--calls", "main,subagent"]
+    subprocess.run([sys.executable, "-m", "tito_addon", *argv], cwd=REPO, check=True, capture_output=True)
+    assert out.read_bytes() == fetched
+
+
+def test_two_proxies_sharing_redis_place_every_turn_the_same(replica, redis_server, tmp_path: Path) -> None:
+    """The same episodes through two proxies on one Redis (`tito_session_store`), request by request on alternate
+    proxies: the summary a proxy recorded links the context the other one serves, and so do sub-agents; named and
+    automatic, the structure is what one proxy gives."""
+    from tito_addon.replicas.proxy_process import Mitmdump
+
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    options = {"tito_session_store": redis_server.url}
+    proxies = []
+    try:
+        for index in range(2):
+            (tmp_path / f"p{index}").mkdir()
+            proxies.append(Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir,
+                                    cwd=tmp_path / f"p{index}", options=options).start())  # fmt: skip
+
+        def clients(**headers: str) -> list[anthropic.Anthropic]:
+            return [anthropic.Anthropic(base_url=p.url, api_key="sk-ant-x", default_headers=headers or None,
+                                        max_retries=0) for p in proxies]  # fmt: skip
+
+        named = claude_code_episode(*clients(**{"x-session-id": "ep-pair"}))
+        automatic = claude_code_episode(*clients())
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    turns = assert_token_exact(record_dir, replica)
+    assert len(turns) == 20
+    got = places(record_dir)
+    assert {k: v for k, v in got.items() if k[0] == "ep-pair"} == named_places("ep-pair", named["spawn_call"])
+    auto = sorted((t for t in turns if t.session_id != "ep-pair"), key=lambda t: t.ts)
+    episode = f"{auto[0].session_id}/0"
+    assert [t.call for t in auto] == ["main"] * 4 + ["compaction", "main", "subagent", "subagent", "main", "main"]
+    assert [t.episode for t in auto[:9]] == [episode] * 9
+    assert auto[5].follows.model_dump(exclude_none=True) == {"session": auto[0].session_id, "turn_id": 4,
+                                                             "how": "summary"}  # fmt: skip
+    assert auto[6].follows.tool_call_id == automatic["spawn_call"] and auto[6].follows.session == auto[5].session_id

@@ -108,14 +108,16 @@ class AsyncTitoClient:
         payload, _ = await self._call("GET", self._path(session_id))
         return json.loads(payload)
 
-    async def rows(self, session_id: str, *, format: str = "generic") -> list[dict[str, Any]]:
-        """The session's branches as trainer rows (`format`: generic, verl or slime), as dicts."""
-        payload, _ = await self._call("GET", self._path(session_id, "rows"), params={"format": format, "to": "jsonl"})
+    async def rows(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> list[dict[str, Any]]:
+        """The session's segments as trainer rows (`format`: generic, verl or slime; `calls`: only the segments of
+        these calls, comma-separated, e.g. `main,compaction,subagent`), as dicts."""
+        params = {"format": format, "to": "jsonl", **({"calls": calls} if calls else {})}
+        payload, _ = await self._call("GET", self._path(session_id, "rows"), params=params)
         return [json.loads(line) for line in payload.splitlines() if line.strip()]
 
-    async def rows_parquet(self, session_id: str, *, format: str = "generic") -> bytes:
+    async def rows_parquet(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> bytes:
         """The same rows as the bytes of a Parquet file, equal to `python -m tito_addon export --session ID`'s."""
-        params = {"format": format, "to": "parquet"}
+        params = {"format": format, "to": "parquet", **({"calls": calls} if calls else {})}
         payload, _ = await self._call("GET", self._path(session_id, "rows"), params=params)
         return payload
 
@@ -127,9 +129,11 @@ class AsyncTitoClient:
         labels: list[str] | None = None,
         metadata: dict[str, Any] | None = None,
         turn_id: int | None = None,
+        scope: str | None = None,
     ) -> dict[str, Any]:
-        """Attach a reward, labels or metadata to the session, or to one of its turns (`turn_id`)."""
-        fields = {"reward": reward, "labels": labels, "metadata": metadata, "turn_id": turn_id}
+        """Attach a reward, labels or metadata to the session, or to one of its turns (`turn_id`): it reaches every
+        segment of the episode, or with `scope="segment"` only the segments holding that turn."""
+        fields = {"reward": reward, "labels": labels, "metadata": metadata, "turn_id": turn_id, "scope": scope}
         body = {k: v for k, v in fields.items() if v is not None}
         payload, _ = await self._call("POST", self._path(session_id, "annotations"), body=body)
         return json.loads(payload)
@@ -178,11 +182,11 @@ class TitoClient:
     def session(self, session_id: str) -> dict[str, Any]:
         return self._run(self._client.session(session_id))
 
-    def rows(self, session_id: str, *, format: str = "generic") -> list[dict[str, Any]]:
-        return self._run(self._client.rows(session_id, format=format))
+    def rows(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> list[dict[str, Any]]:
+        return self._run(self._client.rows(session_id, format=format, calls=calls))
 
-    def rows_parquet(self, session_id: str, *, format: str = "generic") -> bytes:
-        return self._run(self._client.rows_parquet(session_id, format=format))
+    def rows_parquet(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> bytes:
+        return self._run(self._client.rows_parquet(session_id, format=format, calls=calls))
 
     def annotate(self, session_id: str, **fields: Any) -> dict[str, Any]:
         return self._run(self._client.annotate(session_id, **fields))

@@ -30,7 +30,7 @@ from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.protocols.agent_api import AgentRequest, ReplyContext
-from tito_addon.protocols.openai_responses_models import MessageItem, ResponsesRequest
+from tito_addon.protocols.openai_responses_models import ResponsesRequest
 from tito_addon.protocols.openai_responses_reply import CompactionResponder, ResponsesResponder
 from tito_addon.protocols.openai_responses_translation import (
     NAMESPACE_JOIN,
@@ -162,19 +162,6 @@ def unsupported_item(raw: dict[str, Any]) -> BadRequest | None:
     return None
 
 
-def user_items(given: str | list[Any]) -> list[dict[str, Any]]:
-    """What `/responses/compact` answers before its compaction item: the conversation's user messages, their text in
-    parts as the API gives output messages."""
-    messages = [item for item in given if isinstance(item, MessageItem) and item.role == "user"] if isinstance(
-        given, list) else [MessageItem(role="user", content=given)]  # fmt: skip
-    out = []
-    for message in messages:
-        parts = [{"type": "input_text", "text": message.content}] if isinstance(message.content, str) else [
-            part.model_dump(mode="json", exclude_none=True) for part in message.content]  # fmt: skip
-        out.append({"type": "message", "role": "user", "content": parts})
-    return out
-
-
 class OpenAIResponsesApi(TranslatedApi[ResponsesTranslation]):
     name = "openai_responses"
     path = RESPONSES_PATH
@@ -255,7 +242,6 @@ class OpenAIResponsesApi(TranslatedApi[ResponsesTranslation]):
             "request": request.model_dump(mode="json", include=ECHOED_FIELDS),
             "namespaces": namespaces,
             "sealed": ENCRYPTED_REASONING in (request.include or []),
-            "user_items": user_items(request.input),
         }
 
     def thinking(self, request: ResponsesRequest) -> bool | None:

@@ -261,8 +261,9 @@ class CompactionResponder(ResponsesResponder):
         item = self.sealed_item(outcome)
         if self.endpoint:
             usage = self.response("completed", outcome)["usage"]
-            body = {"id": self.reply_id, "object": "response.compaction", "created_at": self.created_at,
-                    "output": [*self.request.extra["user_items"], item], "usage": usage}  # fmt: skip
+            output = [*user_items(self.request.items), item]
+            body = {"id": self.reply_id, "object": "response.compaction", "created_at": self.created_at}
+            body |= {"output": output, "usage": usage}
             return HttpReply(200, {"content-type": "application/json"}, dumps_exact(body, allow_nan=True))
         if self.request.stream:
             return HttpReply(200, dict(REFRAMED_STREAM_HEADERS), self.reframed(outcome))
@@ -290,3 +291,16 @@ class CompactionResponder(ResponsesResponder):
         self.items[0] = self.sealed_item(outcome)
         out += self._event("response.output_item.done", output_index=0, item=self.items[0])
         return out + self._event("response.completed", response=self.response("completed", outcome))
+
+
+def user_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What `/responses/compact` answers before its compaction item: the conversation's user messages, their text in
+    parts as the API gives output messages."""
+    out = []
+    for item in items:
+        if item.get("type", "message") != "message" or item.get("role") != "user":
+            continue
+        content = item.get("content")
+        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else content
+        out.append({"type": "message", "role": "user", "content": parts})
+    return out

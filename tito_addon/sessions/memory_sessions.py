@@ -11,6 +11,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from tito_addon.sessions.link_stores import MemoryLinks
 from tito_addon.sessions.session_space import (
     Claim,
     ClosedSession,
@@ -36,6 +37,7 @@ class MemorySessions:
         # Names their driver closed here, with the turn id a new tree under the name continues at: a first turn still
         # in flight when its driver closed the name is refused (or starts that new tree) at its commit.
         self.closed_names: OrderedDict[str, int] = OrderedDict()
+        self.links = MemoryLinks()
 
     def configure(self, *, idle_timeout: float, max_sessions: int) -> None:
         self.tree.idle_timeout = idle_timeout

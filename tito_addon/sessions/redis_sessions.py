@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tito_addon.sessions.link_stores import RedisLinks
 from tito_addon.sessions.path_keys import ROOT, assistant_ends, deepest_of, extend, running
 from tito_addon.sessions.redis_tree import (
     NewTurn,
@@ -89,6 +90,7 @@ class RedisSessions:
         self._nodes: OrderedDict[tuple[str, int], MirroredNode] = OrderedDict()
         self._cached_ids = 0
         self._sessions: dict[str, Session] = {}
+        self.links = RedisLinks(tree.client, tree.prefix, tree.run)
 
     @classmethod
     def connect(cls, url: str) -> RedisSessions:

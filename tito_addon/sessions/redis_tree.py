@@ -168,7 +168,7 @@ class RedisTree:
     def _live(self) -> str:
         return f"{self.prefix}:live"
 
-    async def _run(self, call: Any) -> Any:
+    async def run(self, call: Any) -> Any:
         try:
             return await call
         except Exception as exc:  # redis raises ConnectionError, TimeoutError, ResponseError, ...
@@ -198,7 +198,7 @@ class RedisTree:
             busy_until_ms, namespace_hash(namespace), "" if parent_turn_id is None else parent_turn_id,
             "1" if reopen_closed else "0",
         ]  # fmt: skip
-        sid, turn = await self._run(self._claim(keys=keys, args=args))
+        sid, turn = await self.run(self._claim(keys=keys, args=args))
         if int(turn) == -2:
             raise SessionClosed(_text(sid))
         if int(turn) < 0:
@@ -221,7 +221,7 @@ class RedisTree:
             len(turn.added_ids) + len(turn.completion_ids), turn.reply_id or "", f"{sid}\n{turn.turn_id}",
             turn.turn_id, now_ms, sid,
         ]  # fmt: skip
-        if not await self._run(self._commit(keys=keys, args=args)):
+        if not await self.run(self._commit(keys=keys, args=args)):
             raise SessionGone(sid)
 
     async def lookup(
@@ -235,7 +235,7 @@ class RedisTree:
                 pipe.hget(self._meta(session_id), "closed")
             if paths:
                 pipe.hmget(self._index(session_id, namespace), paths)
-            replies = await self._run(pipe.execute())
+            replies = await self.run(pipe.execute())
         state = _text(replies.pop(0)) or None if session_id is not None else None
         found = replies[0] if paths else []
         out = []
@@ -259,35 +259,35 @@ class RedisTree:
         async with self.client.pipeline(transaction=False) as pipe:
             for sid, turn in wanted:
                 pipe.get(self._node(sid, turn))
-            found = await self._run(pipe.execute())
+            found = await self.run(pipe.execute())
         return {pair: parse_node(*pair, blob) for pair, blob in zip(wanted, found, strict=True) if blob}
 
     async def node(self, session_id: str, turn_id: int) -> StoredNode | None:
         return (await self.nodes([(session_id, turn_id)])).get((session_id, turn_id))
 
     async def by_reply(self, reply_id: str) -> tuple[str, int] | None:
-        found = await self._run(self.client.hget(f"{self.prefix}:r", reply_id))
+        found = await self.run(self.client.hget(f"{self.prefix}:r", reply_id))
         if not found:
             return None
         sid, _, turn = _text(found).rpartition("\n")
         return sid, int(turn)
 
     async def meta(self, session_id: str) -> dict[str, str]:
-        fields = await self._run(self.client.hgetall(self._meta(session_id)))
+        fields = await self.run(self.client.hgetall(self._meta(session_id)))
         decoded = {_text(k): v for k, v in fields.items()}
         return {k: v.hex() if k == "prompt" else _text(v) for k, v in decoded.items()}  # the prompt is a digest
 
     async def idle(self, before_ms: int, limit: int = 256) -> list[str]:
         """Live sessions whose last activity is older than `before_ms`."""
-        found = await self._run(self.client.zrangebyscore(self._live, "-inf", before_ms, start=0, num=limit))
+        found = await self.run(self.client.zrangebyscore(self._live, "-inf", before_ms, start=0, num=limit))
         return [_text(sid) for sid in found]
 
     async def oldest_beyond(self, capacity: int, limit: int = 256) -> list[str]:
         """The least recently active live sessions past the first `capacity` (newest kept)."""
-        excess = await self._run(self.client.zcard(self._live)) - capacity
+        excess = await self.run(self.client.zcard(self._live)) - capacity
         if excess <= 0:
             return []
-        found = await self._run(self.client.zrange(self._live, 0, min(excess, limit) - 1))
+        found = await self.run(self.client.zrange(self._live, 0, min(excess, limit) - 1))
         return [_text(sid) for sid in found]
 
     async def close(self, session_id: str, *, now_ms: int, idle_before_ms: int | None) -> int | None:
@@ -295,32 +295,32 @@ class RedisTree:
         its turns and indexes go, its turn counter stays (`TOMBSTONE_S`). The number of turns it had, or None when
         it was not closed here (another proxy closed it first, or it is busy)."""
         args = [session_id, self.prefix, now_ms, "" if idle_before_ms is None else idle_before_ms, TOMBSTONE_S, "0"]
-        turns = await self._run(self._close(keys=[self._live], args=args))
+        turns = await self.run(self._close(keys=[self._live], args=args))
         return None if int(turns) < 0 else int(turns)
 
     async def close_by_driver(self, session_id: str, *, now_ms: int) -> tuple[str, int]:
         """A rollout driver's close: ("closed", turns) when it closed the live session now, ("already", 0) when it
         had closed before (now marked closed by its driver), ("busy", 0) with a turn in flight, ("unknown", 0)."""
         args = [session_id, self.prefix, now_ms, "", TOMBSTONE_S, "1"]
-        turns = int(await self._run(self._close(keys=[self._live], args=args)))
+        turns = int(await self.run(self._close(keys=[self._live], args=args)))
         return {-2: ("already", 0), -3: ("busy", 0), -1: ("unknown", 0)}.get(turns, ("closed", turns))
 
     async def release(self, session_id: str, turn_id: int) -> None:
         """A claimed turn that will not commit (its backend failed, its agent left) is no longer in flight."""
-        await self._run(self.client.zrem(f"{self.prefix}:b:{{{session_id}}}", turn_id))
+        await self.run(self.client.zrem(f"{self.prefix}:b:{{{session_id}}}", turn_id))
 
     async def in_flight(self, session_id: str, *, now_ms: int) -> int:
         """Turns of the session in flight now (an abandoned claim past its deadline no longer counts)."""
-        return int(await self._run(self.client.zcount(f"{self.prefix}:b:{{{session_id}}}", f"({now_ms}", "+inf")))
+        return int(await self.run(self.client.zcount(f"{self.prefix}:b:{{{session_id}}}", f"({now_ms}", "+inf")))
 
     async def live_sessions(self, limit: int) -> list[tuple[str, float, dict[str, str]]]:
         """The most recently active live sessions: (id, last activity in seconds, turns/tokens/automatic)."""
-        found = await self._run(self.client.zrevrange(self._live, 0, max(limit, 1) - 1, withscores=True))
+        found = await self.run(self.client.zrevrange(self._live, 0, max(limit, 1) - 1, withscores=True))
         fields = ("turns", "tokens", "automatic")
         async with self.client.pipeline(transaction=False) as pipe:
             for sid, _ in found:
                 pipe.hmget(self._meta(_text(sid)), fields)
-            metas = await self._run(pipe.execute()) if found else []
+            metas = await self.run(pipe.execute()) if found else []
         return [
             (_text(sid), score / 1000, {k: _text(v) or "0" for k, v in zip(fields, meta, strict=True)})
             for (sid, score), meta in zip(found, metas, strict=True)
@@ -342,7 +342,7 @@ class RedisTree:
             self._meta(session_id), self._index(session_id, ""), f"{self.prefix}:r", self._live,
             self._ledger(session_id),
         ]  # fmt: skip
-        return bool(await self._run(self._restore(keys=keys, args=args)))
+        return bool(await self.run(self._restore(keys=keys, args=args)))
 
 
 # A node's packed form: a fixed header, then its message keys, reasoning digest (if any), path digest, added,

@@ -144,11 +144,25 @@ class SessionStatus:
     last_activity: float | None = None
 
 
+class LinkStore(Protocol):
+    """What later roots may link to (`sessions/link_stores`): per scope and kind, entries newest first; and claims."""
+
+    async def add(self, scope: str, kind: str, entry: dict[str, Any]) -> None: ...
+
+    async def entries(self, scope: str, kind: str) -> list[dict[str, Any]]: ...
+
+    async def claim(self, key: str) -> bool:
+        """True the first time `key` is claimed, wherever the sessions live."""
+        ...
+
+
 class SessionSpace(Protocol):
     """Where sessions live. Every method but the listing of this process's own sessions may await a store."""
 
     #: Whether this process sweeps on every turn (its own sessions, at no cost) or only periodically (a shared store).
     sweeps_inline: bool
+    #: What later roots of its sessions may link to, kept where the sessions are.
+    links: LinkStore
 
     async def locate(self, lookup: Lookup) -> Located:
         """The deepest stored turn whose messages the request repeats (of the named session, or of the namespace's

@@ -25,13 +25,14 @@ sibling roots), named `SESSION/TURN` after that root.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage, parse_arguments
 from tito_addon.protocols.compaction_items import summary_of
+from tito_addon.sessions.session_space import LinkStore
 from tito_addon.sessions.session_tree import TurnNode
 
 
@@ -52,8 +53,6 @@ SPAWNING_TOOLS = frozenset({"Task", "Agent", "spawn_agent"})
 MIN_SUMMARY_CHARS = 32  # shorter texts would link by accident
 MIN_ARGUMENT_CHARS = 24
 MAX_TARGET_CHARS = 256 * 1024  # a longer text is not remembered (bounded memory; no agent sends such a summary)
-TARGETS_PER_SCOPE = 256
-SCOPES = 4096
 
 
 @dataclass(frozen=True)
@@ -87,17 +86,6 @@ class EpisodePlace:
         return f"{session_id}/{turn_id}" if automatic else session_id
 
 
-@dataclass(frozen=True)
-class LinkTarget:
-    """A recorded turn a later root may continue: where it is, its episode and its call."""
-
-    session_id: str
-    turn_id: int
-    episode: str
-    resumes: str  # the call a context rebuilt from this turn's summary continues
-    tool_call_id: str | None = None
-
-
 def compaction_prompt(messages: Sequence[ChatMessage]) -> CompactionPrompt | None:
     """The agent whose compaction instruction the request's last user message holds."""
     for message in reversed(messages):
@@ -124,37 +112,29 @@ def continuation_place(parent: TurnNode, appended: Sequence[ChatMessage]) -> Epi
 
 
 class EpisodeLinks:
-    """What new roots may link to, remembered per scope (a named session, or the automatic sessions of a backend):
-    the summaries of compaction turns and the string arguments of tool calls, newest first, bounded."""
+    """The linking rules over what the sessions keep for them (`LinkStore`: this process's, or a shared Redis):
+    per scope (a named session, or the automatic sessions of a backend) the summaries of compaction turns and the
+    string arguments of tool calls, newest first."""
 
-    def __init__(self, per_scope: int = TARGETS_PER_SCOPE, scopes: int = SCOPES) -> None:
-        self.per_scope = per_scope
-        self.scopes = scopes
-        self._summaries: OrderedDict[str, deque[tuple[str, LinkTarget]]] = OrderedDict()
-        self._arguments: OrderedDict[str, deque[tuple[str, bool, LinkTarget]]] = OrderedDict()
-        # Tool calls a sub-agent was placed after: a second sub-agent with the same task is the next such call's.
-        self._spawned: OrderedDict[tuple[str, int, str | None], None] = OrderedDict()
+    def __init__(self, store: LinkStore) -> None:
+        self.store = store
 
-    def _entries(self, table: OrderedDict[str, deque], scope: str) -> deque:
-        entries = table.get(scope)
-        if entries is None:
-            entries = table[scope] = deque(maxlen=self.per_scope)
-            while len(table) > self.scopes:
-                table.popitem(last=False)
-        table.move_to_end(scope)
-        return entries
-
-    def note(self, scope: str, line: dict[str, Any], resumes: str) -> None:
+    async def note(self, scope: str, line: dict[str, Any], resumes: str) -> None:
         """Remember what a committed turn (its record line's fields) offers later roots; `resumes`: the call it
         continues (for a compaction turn, the call it interrupted)."""
-        target = LinkTarget(line["session_id"], line["turn_id"], line["episode"], resumes)
+        target = {
+            "session": line["session_id"],
+            "turn": line["turn_id"],
+            "episode": line["episode"],
+            "resumes": resumes,
+        }
         message = line.get("assistant_message") or {}
         content = message.get("content")
         calls = message.get("tool_calls") or []
         if isinstance(content, str) and not calls and (line.get("call") == "compaction" or "<summary>" in content):
             summary = summary_of(content)
             if MIN_SUMMARY_CHARS <= len(summary) <= MAX_TARGET_CHARS:
-                self._entries(self._summaries, scope).appendleft((summary, target))
+                await self.store.add(scope, "summary", {**target, "text": summary})
         for call in calls:
             function = call.get("function") or {}
             arguments = parse_arguments(function.get("arguments") or "{}")
@@ -162,43 +142,42 @@ class EpisodeLinks:
             name = str(function.get("name") or "")
             # Codex's namespaced tools reach the model flattened (`multi_agent_v1__spawn_agent`).
             spawning = name in SPAWNING_TOOLS or name.rpartition("__")[2] in SPAWNING_TOOLS
-            linked = LinkTarget(target.session_id, target.turn_id, target.episode, target.resumes, call.get("id"))
             for value in values:
                 text = value.strip() if isinstance(value, str) else ""
                 if MIN_ARGUMENT_CHARS <= len(text) <= MAX_TARGET_CHARS:
-                    self._entries(self._arguments, scope).appendleft((text, spawning, linked))
+                    entry = {**target, "text": text, "spawning": spawning, "call_id": call.get("id")}
+                    await self.store.add(scope, "argument", entry)
 
-    def place_root(self, scope: str, messages: Sequence[ChatMessage], named: bool, first_root: bool) -> EpisodePlace:
+    async def place_root(
+        self, scope: str, messages: Sequence[ChatMessage], named: bool, first_root: bool
+    ) -> EpisodePlace:
         """The place of a new root (rules 1 to 3 of the module's docstring)."""
         user_texts = [message.text() or "" for message in messages if message.role == "user"]
-        for summary, target in self._summaries.get(scope, ()):
-            if any(summary in text for text in user_texts):
-                follows = Follows(target.session_id, target.turn_id, "summary")
-                return EpisodePlace(target.episode, target.resumes, follows)
+        for entry in await self.store.entries(scope, "summary"):
+            if any(entry["text"] in text for text in user_texts):
+                follows = Follows(entry["session"], entry["turn"], "summary")
+                return EpisodePlace(entry["episode"], entry["resumes"], follows)
         stripped = [text.strip() for text in user_texts]
-        found: list[LinkTarget] = []
-        for argument, spawning, target in self._arguments.get(scope, ()):
-            if argument in stripped or (spawning and any(argument in text for text in user_texts)):
-                found.append(target)
+        found = [
+            entry
+            for entry in await self.store.entries(scope, "argument")
+            if entry["text"] in stripped or (entry["spawning"] and any(entry["text"] in t for t in user_texts))
+        ]
         if found:
-            # Newest first; among calls with the same task, the oldest no sub-agent follows yet.
-            same = [t for t in found if (t.session_id, t.turn_id) == (found[0].session_id, found[0].turn_id)]
-            free = [t for t in same if (t.session_id, t.turn_id, t.tool_call_id) not in self._spawned]
-            target = (free or same)[-1]
-            # Taken now, not at the commit: sub-agents spawned together start together.
-            self._spawned[(target.session_id, target.turn_id, target.tool_call_id)] = None
-            while len(self._spawned) > self.scopes * self.per_scope:
-                self._spawned.popitem(last=False)
-            follows = Follows(target.session_id, target.turn_id, "tool_argument", target.tool_call_id)
-            return EpisodePlace(target.episode, "subagent", follows)
+            # Newest first; among the calls of one turn with the same task, the oldest no sub-agent took yet (taken
+            # now, not at the commit: sub-agents spawned together start together, on any proxy).
+            same = [e for e in found if (e["session"], e["turn"]) == (found[0]["session"], found[0]["turn"])]
+            target = same[-1]
+            for entry in reversed(same):
+                if await self.store.claim(json.dumps([entry["session"], entry["turn"], entry["call_id"]])):
+                    target = entry
+                    break
+            follows = Follows(target["session"], target["turn"], "tool_argument", target["call_id"])
+            return EpisodePlace(target["episode"], "subagent", follows)
         if not named or first_root:
             return EpisodePlace(None)
         return EpisodePlace(None, "side", reason="a new root of the session that holds no recorded summary and "
                                                  "starts from no recorded tool call")  # fmt: skip
-
-    def forget(self, scope: str) -> None:
-        self._summaries.pop(scope, None)
-        self._arguments.pop(scope, None)
 
 
 def record_fields(place: EpisodePlace, episode: str) -> dict[str, Any]:

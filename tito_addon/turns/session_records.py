@@ -47,7 +47,7 @@ class SessionRecords:
         self.after_close = after_close
         self.unsettled: list[tuple[str, int]] = []  # (session, turn) written whose commit's outcome is unknown
         # What later roots (a context rebuilt from a summary, a sub-agent) link to: fed by every commit and resume.
-        self.links = EpisodeLinks()
+        self.links = EpisodeLinks(sessions.links)
 
     # -- where a turn goes --------------------------------------------------------------------------------------
 
@@ -109,7 +109,7 @@ class SessionRecords:
             if written:
                 self.unsettled.append((written[0].session_id, written[0].turn_id))
             raise
-        self.links.note(link_scope, written[0].fields, interrupted_call(node))
+        await self._note(link_scope, written[0].fields, interrupted_call(node))
         return node, written[0]
 
     async def release(self, claim: Claim) -> None:
@@ -137,10 +137,19 @@ class SessionRecords:
         next_turn_id = recorded.highest_turn_id + 1 + len(recorded.skipped_lines)
         if await self.sessions.restore(session_id, nodes, next_turn_id):
             logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
-            self._note_recorded(session_id, turns)
+            await self._note_recorded(session_id, turns)
         return True
 
-    def _note_recorded(self, scope: str, turns: list[TurnRecord]) -> None:
+    async def _note(self, scope: str, line: dict, resumes: str) -> None:
+        """What later roots may link to; the turn stands if the store cannot take it (a later root it would have
+        linked is then placed as the rules place an unlinked one, and says why)."""
+        try:
+            await self.links.note(scope, line, resumes)
+        except StoreUnavailable as exc:
+            where = f"{line['session_id']}/{line['turn_id']}"
+            logger.warning("tito: turn %s committed, but what may link to it was not kept: %s", where, exc.message)
+
+    async def _note_recorded(self, scope: str, turns: list[TurnRecord]) -> None:
         """What a resumed session's turns offer later roots, as their commits did."""
         calls = {turn.turn_id: (turn.call, turn.parent_turn_id) for turn in turns}
         for turn in turns:
@@ -150,7 +159,7 @@ class SessionRecords:
             resumes = "main" if call == "compaction" else call
             line = {"session_id": turn.session_id, "turn_id": turn.turn_id, "episode": turn.episode_id,
                     "call": turn.call, "assistant_message": turn.assistant_message}  # fmt: skip
-            self.links.note(scope, line, resumes)
+            await self._note(scope, line, resumes)
 
     async def settle(self) -> None:
         """Withdraw on disk every turn whose commit failed and that the store does not hold (no turn can extend

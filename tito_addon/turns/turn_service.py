@@ -29,7 +29,7 @@ from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import Claim, SessionSpace
-from tito_addon.sessions.session_tree import Attachment, TurnNode
+from tito_addon.sessions.session_tree import Attachment
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed
 from tito_addon.turns.completion_budget import fit_completion_budget
 from tito_addon.turns.episode_places import EpisodePlace, Follows, continuation_place, interrupted_call
@@ -124,12 +124,20 @@ class TurnService:
             attachment = await self.sessions.continued(parsed.agent.previous_response_id, parsed.session_id)
             return self._place(parsed, attachment)
         located = await self.sessions.locate(parsed)
-        summary = None
-        if located.attachment.parent is None and parsed.agent.compaction_refs:
+        attachment = located.attachment
+        root: EpisodePlace | None = None
+        if attachment.parent is None and parsed.agent.compaction_refs:
             # A new context started from a compaction this proxy served: the summary turn its item names (404 when
             # not recorded; 400 when it is another named session's).
             summary = (await self.sessions.continued(parsed.agent.compaction_refs[-1], parsed.session_id)).parent
-        return self._place(parsed, located.attachment, located.group, summary)
+            assert summary is not None
+            follows = Follows(summary.session.session_id, summary.turn_id, "compaction_item")
+            root = EpisodePlace(summary.episode, interrupted_call(summary), follows)
+        elif attachment.parent is None:
+            named, first_root = parsed.session_id is not None, attachment.session is None
+            messages = parsed.agent.chat.messages
+            root = await self.sessions.links.place_root(parsed.link_scope, messages, named, first_root)
+        return self._place(parsed, attachment, located.group, root)
 
     def _parse(
         self,
@@ -160,7 +168,7 @@ class TurnService:
         return ParsedRequest(route, agent, session_id, kwargs, keys, reasonings, namespace, base_url)
 
     def _place(
-        self, parsed: ParsedRequest, attachment: Attachment, group: bytes = b"", summary: TurnNode | None = None
+        self, parsed: ParsedRequest, attachment: Attachment, group: bytes = b"", root: EpisodePlace | None = None
     ) -> PreparedTurn:
         """The prompt of a located request: a continuation of the turn it extends, or a fresh render."""
         agent, kwargs = parsed.agent, parsed.kwargs
@@ -189,12 +197,8 @@ class TurnService:
             # Rendered afresh or not, the same conversation: its episode and call (Codex's compaction request offers
             # no tools, so it is rendered afresh, and is still a compaction).
             place = continuation_place(located_parent, messages[attachment.matched :])
-        elif summary is not None:
-            follows = Follows(summary.session.session_id, summary.turn_id, "compaction_item")
-            place = EpisodePlace(summary.episode, interrupted_call(summary), follows)
         else:
-            named, first_root = parsed.session_id is not None, attachment.session is None
-            place = self.sessions.links.place_root(parsed.link_scope, messages, named, first_root)
+            place = root if root is not None else EpisodePlace(None)
         if agent.compacts is not None:
             place = replace(place, call="compaction", reason=f"a compaction this proxy served ({agent.compacts})")
         if parent is None:
