@@ -448,3 +448,54 @@ def test_two_proxies_sharing_redis_place_every_turn_the_same(replica, redis_serv
     assert auto[5].follows.model_dump(exclude_none=True) == {"session": auto[0].session_id, "turn_id": 4,
                                                              "how": "summary"}  # fmt: skip
     assert auto[6].follows.tool_call_id == automatic["spawn_call"] and auto[6].follows.session == auto[5].session_id
+
+
+def without_ids(items: list[dict]) -> list[dict]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+
+def test_an_episode_replays_with_its_compactions_and_sub_agents(proxy, replica, tmp_path: Path) -> None:
+    """Offline replay serves a recorded episode to the same agent again: the compaction, the context rebuilt from
+    its summary (a served compaction's item included), the sub-agent and the side call, with no backend."""
+    from test_replay import replay_proxy
+
+    named = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", default_headers={"x-session-id": "ep-re"},
+                                max_retries=0)  # fmt: skip
+    seen = claude_code_episode(named)
+    api = responses_api(proxy, "cx-re")
+    items = worked(api)
+    compacted = api.responses.create(model="qwen3", input=[*items, {"type": "compaction_trigger"}], tools=[EXEC])
+    rebuilt = [items[0], compacted.output[0].model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    after = api.responses.create(model="qwen3", input=rebuilt, tools=[EXEC])
+    served = len(replica.generated())
+    with replay_proxy(proxy.record_dir, tmp_path) as again:
+        named = anthropic.Anthropic(base_url=again.url, api_key="sk-ant-x",
+                                    default_headers={"x-session-id": "ep-re"}, max_retries=0)  # fmt: skip
+        assert claude_code_episode(named) == seen
+        api = responses_api(again, "cx-re")
+        assert without_ids(worked(api)) == without_ids(items)  # the same items; the ids minted again
+        replayed = api.responses.create(model="qwen3", input=[*items, {"type": "compaction_trigger"}], tools=[EXEC])
+        assert [o.type for o in replayed.output] == ["compaction"]
+        rebuilt = [items[0], replayed.output[0].model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        answer = api.responses.create(model="qwen3", input=rebuilt, tools=[EXEC])
+        assert [o.model_dump(exclude={"id"}) for o in answer.output] == [
+            o.model_dump(exclude={"id"}) for o in after.output
+        ]
+    assert len(replica.generated()) == served  # the replay asked no backend
+
+
+def test_redrive_keeps_each_turns_place_in_its_episode(proxy, replica, tmp_path: Path) -> None:
+    from test_redrive import redrive
+
+    api = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", default_headers={"x-session-id": "ep-rd"},
+                              max_retries=0)  # fmt: skip
+    claude_code_episode(api)
+    turns = {t.turn_id: t for t in assert_token_exact(proxy.record_dir, replica)}
+    report = redrive(proxy.record_dir, replica.url, tmp_path / "gap.json")
+    assert [(g["turn_id"], g["episode"], g["call"]) for g in report["turns"]] == [
+        (t.turn_id, "ep-rd", t.call) for t in turns.values()
+    ]
+    assert {call: totals["turns"] for call, totals in report["by_call"].items()} == {
+        "main": 6, "compaction": 1, "subagent": 2, "side": 1
+    }  # fmt: skip
+    assert report["by_call"]["compaction"]["tokens"] == len(turns[4].completion_ids)

@@ -207,11 +207,12 @@ def redrive_command(argv: list[str]) -> int:
     except UpstreamPassthrough as exc:
         print(f"error: the backend answered {exc.status}: {exc.body[:300]!r}", file=sys.stderr)
         return 2
-    table = Table("session", "turn", "tokens", "mean |Δ|", "max |Δ|", "KL est.")
+    table = Table("session", "turn", "call", "tokens", "mean |Δ|", "max |Δ|", "KL est.")
     for turn in report.turns:
         table.add_row(
             turn.session_id[:16],
             str(turn.turn_id),
+            turn.call,
             str(turn.tokens),
             f"{turn.mean_abs_diff:.4f}",
             f"{turn.max_abs_diff:.4f}",
@@ -224,7 +225,7 @@ def redrive_command(argv: list[str]) -> int:
         "total: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in totals.items())
     )
     if args.json:
-        payload = {"turns": [t.as_dict() for t in report.turns], "totals": totals}
+        payload = {"turns": [t.as_dict() for t in report.turns], "totals": totals, "by_call": report.by_call()}
         args.json.write_text(json.dumps(payload, indent=1), "utf-8")
     return 0
 

@@ -24,6 +24,8 @@ from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 class TurnGap:
     session_id: str
     turn_id: int
+    episode: str  # the turn's place in its episode, as recorded: a report can be read per call
+    call: str
     tokens: int
     mean_abs_diff: float
     max_abs_diff: float
@@ -39,18 +41,24 @@ class TurnGap:
 class RedriveReport:
     turns: list[TurnGap] = field(default_factory=list)
 
-    def totals(self) -> dict[str, Any]:
-        tokens = sum(t.tokens for t in self.turns)
+    def totals(self, turns: list[TurnGap] | None = None) -> dict[str, Any]:
+        turns = self.turns if turns is None else turns
+        tokens = sum(t.tokens for t in turns)
         if not tokens:
             return {"turns": 0, "tokens": 0}
-        weighted = lambda attr: sum(getattr(t, attr) * t.tokens for t in self.turns) / tokens  # noqa: E731
+        weighted = lambda attr: sum(getattr(t, attr) * t.tokens for t in turns) / tokens  # noqa: E731
         return {
-            "turns": len(self.turns),
+            "turns": len(turns),
             "tokens": tokens,
             "mean_abs_diff": weighted("mean_abs_diff"),
-            "max_abs_diff": max(t.max_abs_diff for t in self.turns),
+            "max_abs_diff": max(t.max_abs_diff for t in turns),
             "kl_estimate": weighted("kl_estimate"),
         }
+
+    def by_call(self) -> dict[str, dict[str, Any]]:
+        """The totals of each kind of call (main, compaction, subagent, side) the report holds."""
+        calls = dict.fromkeys(t.call for t in self.turns)
+        return {call: self.totals([t for t in self.turns if t.call == call]) for call in calls}
 
 
 def gap(record: TurnRecord, new: list[float]) -> TurnGap:
@@ -60,6 +68,8 @@ def gap(record: TurnRecord, new: list[float]) -> TurnGap:
     return TurnGap(
         session_id=record.session_id,
         turn_id=record.turn_id,
+        episode=record.episode_id,
+        call=record.call,
         tokens=count,
         mean_abs_diff=sum(abs(d) for d in diffs) / count,
         max_abs_diff=max(abs(d) for d in diffs),
