@@ -58,6 +58,16 @@ def replica(network):  # noqa: F811
         yield running
 
 
+def episode_proxy(network, replica, tmp_path: Path) -> Mitmdump:  # noqa: F811
+    """A fresh replica log, and a proxy in the namespace whose API keys name episodes, recording to tmp_path/rec; the
+    CLIs work in tmp_path/project."""
+    replica.backend.reset()
+    (tmp_path / "project").mkdir()
+    options = {"tito_session_api_key_prefix": KEY_PREFIX}
+    return Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path,
+                    launcher=network.command([]), options=options)  # fmt: skip
+
+
 def steer(replica, tools: dict, rounds: int) -> None:
     replica.backend.config.preferred_tools = tools
     replica.backend.config.tool_rounds = rounds
@@ -130,13 +140,8 @@ def assert_rows_per_segment(record_dir: Path, tmp_path: Path, replica, episode: 
 def test_a_long_claude_code_episode_is_one_linked_episode(network, agent_clis, replica, tmp_path: Path) -> None:  # noqa: F811
     """44 turns of Bash printing numbers with Claude Code's window at 100000 (two automatic compactions), then
     `/compact`, then a sub-agent (Explore, in the foreground), the episode named by the API key."""
-    replica.backend.reset()
-    record_dir = tmp_path / "rec"
-    options = {"tito_session_api_key_prefix": KEY_PREFIX}
-    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
-                  launcher=network.command([]), options=options) as proxy:  # fmt: skip
-        project = tmp_path / "project"
-        project.mkdir()
+    record_dir, project = tmp_path / "rec", tmp_path / "project"
+    with episode_proxy(network, replica, tmp_path) as proxy:
         env = base_env(
             tmp_path / "home", agent_clis, ANTHROPIC_BASE_URL=proxy.url, ANTHROPIC_API_KEY=KEY_PREFIX + "cc-long",
             CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
@@ -186,13 +191,8 @@ def codex_config(base_url: str, window: str) -> str:
 def test_a_long_codex_episode_is_one_linked_episode(network, agent_clis, replica, tmp_path: Path) -> None:  # noqa: F811
     """44 rounds of exec_command with Codex's window at 40000 and its compaction limit at 20000 (local compactions),
     then a sub-agent it spawns and waits for, the episode named by the provider's key."""
-    replica.backend.reset()
-    record_dir = tmp_path / "rec"
-    options = {"tito_session_api_key_prefix": KEY_PREFIX}
-    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
-                  launcher=network.command([]), options=options) as proxy:  # fmt: skip
-        project = tmp_path / "project"
-        project.mkdir()
+    record_dir, project = tmp_path / "rec", tmp_path / "project"
+    with episode_proxy(network, replica, tmp_path) as proxy:
         codex_home = tmp_path / "codex_home"
         codex_home.mkdir()
         window = "model_context_window = 40000\nmodel_auto_compact_token_limit = 20000\n"

@@ -87,6 +87,9 @@ class AgentRequest:
     # replies whose summaries the request's compaction items carry, oldest first (`protocols/compaction_items`).
     compacts: str | None = None
     compaction_refs: list[str] = field(default_factory=list)
+    # Compact instead of answering once the prompt holds this many tokens, asking the model this (Anthropic's
+    # `compact_20260112` edit).
+    compact_when: tuple[int, str] | None = None
 
     def appended_items(self, first_appended: int) -> list[dict[str, Any]]:
         """The agent's own items from the one the first appended canonical message came from."""

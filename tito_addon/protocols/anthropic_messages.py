@@ -30,6 +30,7 @@ from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import REFRAMED_STREAM_HEADERS, AgentRequest, ReplyContext, TurnOutcome
 from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest, ToolChoice, ToolParam
 from tito_addon.protocols.anthropic_translation import MessagesTranslation, translate_message
+from tito_addon.protocols.compaction_items import COMPACT_EDIT, COMPACTION_PURPOSE, SERVED_COMPACTION_PROMPT, summary_of
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.translated_api import ItemTranslation, TranslatedApi, TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
@@ -234,6 +235,73 @@ class AnthropicResponder(TranslatedResponder):
         return _event("error", {"type": "error", "error": error})
 
 
+class CompactionBlockResponder(AnthropicResponder):
+    """A compaction this proxy served for `compact_20260112` (`compaction_items`): one `compaction` block holding the
+    summary, sealed in its `encrypted_content`, and `stop_reason: "compaction"` (the agent sends the block back to
+    go on); never the summary turn's own text or thinking as blocks."""
+
+    def block(self, outcome: TurnOutcome) -> dict[str, Any]:
+        summary = summary_of(outcome.message.get("content") or "")
+        sealed = self.context.signer.seal_text(COMPACTION_PURPOSE, self.context.reply_id, summary)
+        return {"type": "compaction", "content": summary, "encrypted_content": sealed}
+
+    def stop(self, outcome: TurnOutcome) -> tuple[str, str | None]:
+        return "compaction", None
+
+    def reply(self, outcome: TurnOutcome) -> HttpReply:
+        if self.request.stream:
+            return HttpReply(200, dict(REFRAMED_STREAM_HEADERS), self.reframed(outcome))
+        payload = {"id": self.context.reply_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [self.block(outcome)], "stop_reason": "compaction", "stop_sequence": None,
+                   "usage": self.usage(outcome)}  # fmt: skip
+        return HttpReply(200, {"content-type": "application/json"}, dumps_exact(payload, allow_nan=True))
+
+    def _started(self) -> bytes:
+        return self._open("compaction", 0, {"type": "compaction", "content": None})
+
+    def reasoning_delta(self, reasoning: str) -> bytes:
+        return self._started()
+
+    def text_delta(self, text: str) -> bytes:
+        return self._started()
+
+    def call_delta(self, call: dict[str, Any]) -> bytes:
+        return self._started()
+
+    def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
+        out = self._started() + self._delta({**self.block(outcome), "type": "compaction_delta"})
+        return out + super().stream_end(outcome, tail)
+
+
+def compact_edit(context_management: Any) -> tuple[int, str] | None:
+    """(trigger, instruction) of a `compact_20260112` edit: compact once the prompt holds `trigger` tokens (150000
+    unless given), with the edit's `instructions` in place of ours. Only `pause_after_compaction: true` is served: the
+    compaction block is the whole answer, and the agent's next request goes on from it."""
+    edits = context_management.get("edits") if isinstance(context_management, dict) else None
+    for edit in edits if isinstance(edits, list) else []:
+        if not isinstance(edit, dict) or edit.get("type") != COMPACT_EDIT:
+            continue
+        trigger = edit.get("trigger") or {"type": "input_tokens", "value": 150_000}
+        value = trigger.get("value") if isinstance(trigger, dict) else None
+        if (
+            not isinstance(trigger, dict)
+            or trigger.get("type") != "input_tokens"
+            or type(value) is not int
+            or value < 1
+        ):
+            raise BadRequest(f"context_management: a {COMPACT_EDIT} trigger is {{type: input_tokens, value: N >= 1}}")
+        if edit.get("pause_after_compaction") is not True:
+            raise BadRequest(
+                f"context_management: {COMPACT_EDIT} is served with pause_after_compaction: true only (the compaction "
+                "block is then the whole answer, and the next request goes on from it); nothing was forwarded"
+            )
+        instructions = edit.get("instructions")
+        if instructions is not None and (not isinstance(instructions, str) or not instructions.strip()):
+            raise BadRequest(f"context_management: a {COMPACT_EDIT} edit's instructions are a non-empty string")
+        return value, instructions or SERVED_COMPACTION_PROMPT
+    return None
+
+
 class AnthropicMessagesApi(TranslatedApi[MessagesTranslation]):
     name = "anthropic_messages"
     path = MESSAGES_PATH
@@ -275,10 +343,16 @@ class AnthropicMessagesApi(TranslatedApi[MessagesTranslation]):
         self.copy_sampling(request, chat_body)
         if request.stop_sequences:
             chat_body["stop"] = list(request.stop_sequences)
+        translation.compact_when = compact_edit(request.context_management)
         return {"model": request.model, "stop_sequences": request.stop_sequences or []}
 
     def thinking(self, request: MessagesRequest) -> bool | None:
         return None if request.thinking is None else request.thinking.type != "disabled"
+
+    def responder(self, request: AgentRequest, context: ReplyContext) -> TranslatedResponder:
+        if request.compacts is not None:
+            return CompactionBlockResponder(request, context)
+        return super().responder(request, context)
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_id("msg_")

@@ -50,8 +50,16 @@ class ToolResultBlock(_Block):
     is_error: StrictBool | None = None
 
 
+class CompactionBlock(_Block):
+    """A compaction this proxy served (`compaction_items`): its summary, sealed in `encrypted_content`."""
+
+    type: Literal["compaction"]
+    content: str | None = None
+    encrypted_content: Annotated[str, Field(max_length=8 * 1024 * 1024)] | None = None
+
+
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+    TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | CompactionBlock,
     Field(discriminator="type"),
 ]
 
@@ -107,3 +115,4 @@ class MessagesRequest(BoundedRequest):
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
     stream: StrictBool | None = None
+    context_management: dict[str, Any] | None = None

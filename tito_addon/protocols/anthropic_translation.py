@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from tito_addon.protocols.anthropic_models import (
+    CompactionBlock,
     ImageBlock,
     MessageParam,
     RedactedThinkingBlock,
@@ -22,6 +23,7 @@ from tito_addon.protocols.anthropic_models import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from tito_addon.protocols.compaction_items import COMPACTION_PURPOSE
 from tito_addon.protocols.translated_api import ChatTranslation, ItemTranslation
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import BadRequest
@@ -41,8 +43,12 @@ def translate_message(signer: TurnSigner | None, message: MessageParam, where: s
     else:
         translation.assistant(0, message.content, where)
     blocks = message.role == "assistant" and not isinstance(message.content, str)
+    compaction = translation.compaction_refs[-1] if translation.compaction_refs else None
     return ItemTranslation(
-        tuple(translation.messages), tuple(translation.dropped), tuple(translation.signatures) if blocks else None
+        tuple(translation.messages),
+        tuple(translation.dropped),
+        tuple(translation.signatures) if blocks else None,
+        compaction=compaction,
     )
 
 
@@ -78,6 +84,16 @@ class MessagesTranslation(ChatTranslation):
         _no_images(content, where)
         return content
 
+    def compaction_summary(self, block: CompactionBlock, where: str) -> str:
+        """The reply a compaction block's summary came from, once its seal holds for its text; the summary is then
+        this message's first (a user message: what the model reads it as)."""
+        opened = self.signer.open_text(COMPACTION_PURPOSE, block.encrypted_content) if self.signer else None
+        if opened is None or (block.content is not None and block.content != opened[1]):
+            problem = "whose encrypted_content this proxy did not mint (or not for its content)"
+            raise BadRequest(f"{where}: a compaction block {problem}; there is no summary to read in its place")
+        self.add(0, {"role": "user", "content": opened[1]})
+        return opened[0]
+
     def user(self, item: int, content: str | list[Any], where: str) -> None:
         texts: list[TextBlock] = []
         for block in self.blocks(item, "user", content, where) or []:
@@ -103,6 +119,14 @@ class MessagesTranslation(ChatTranslation):
         texts: list[TextBlock] = []
         calls: list[dict[str, Any]] = []
         for block in blocks:
+            if isinstance(block, CompactionBlock):
+                # The summary this proxy served starts the context over: what came before it is dropped (by the
+                # API, see `TranslatedApi.parse`; in this message, here).
+                self.messages.clear()
+                self.item_of.clear()
+                self.compaction_refs.append(self.compaction_summary(block, where))
+                thinking, texts, calls = [], [], []
+                continue
             if isinstance(block, ThinkingBlock):
                 thinking.append(block.thinking)
                 if block.signature and self.signer is not None:
@@ -121,6 +145,8 @@ class MessagesTranslation(ChatTranslation):
                 )
             else:
                 raise BadRequest(f"{where}: an assistant message cannot hold a {block.type} block")
+        if self.compaction_refs and not (thinking or texts or calls):
+            return  # the message held the compaction block alone: the summary is all of it
         message: dict[str, Any] = {"role": "assistant", "content": _text_of(texts) if texts else None}
         if thinking:
             message["reasoning_content"] = "".join(thinking)

@@ -17,6 +17,7 @@ import re
 
 COMPACTION_PURPOSE = "compaction-summary"
 COMPACT_ENDPOINT = "the compact endpoint"  # what asked for a compaction, besides an item
+COMPACT_EDIT = "compact_20260112"  # Anthropic's context_management edit
 # What the model is asked when the agent asks the server to compact (no agent's own words: each agent's local
 # compaction instruction is recognised by `turns/episode_places`).
 SERVED_COMPACTION_PROMPT = (

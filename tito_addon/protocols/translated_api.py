@@ -62,6 +62,8 @@ class ItemTranslation:
     dropped: tuple[str, ...]
     signatures: tuple[Signature, ...] | None
     chat: tuple[ChatMessage, ...] = ()
+    # A compaction block's: the reply whose summary it carries. Everything before it is dropped (`cut_at`).
+    compaction: str | None = None
 
 
 class ChatTranslation:
@@ -80,6 +82,12 @@ class ChatTranslation:
         # compaction items carry (see `compaction_items`).
         self.compacts: str | None = None
         self.compaction_refs: list[str] = []
+        # Where the conversation starts over: the messages before the last compaction block are not the model's
+        # context any more (Anthropic's server-side compaction drops them), the system prompt aside.
+        self.cut_at: int | None = None
+        # When the proxy is to compact instead of answering (Anthropic's compact_20260112): (prompt tokens, the
+        # instruction).
+        self.compact_when: tuple[int, str] | None = None
 
     def add(self, item: int, message: dict[str, Any]) -> dict[str, Any]:
         self.messages.append(message)
@@ -93,6 +101,9 @@ class ChatTranslation:
         known: list[ChatMessage] = []
         signatures = None
         for item, unit in enumerate(units, first):
+            if unit.compaction is not None:
+                self.cut_at = len(messages)
+                self.compaction_refs.append(unit.compaction)
             messages += unit.messages
             item_of += [item] * len(unit.messages)
             dropped += unit.dropped
@@ -162,6 +173,11 @@ class TranslatedApi[T: ChatTranslation]:
         if action == "compact":
             self.serve_compaction(translation, len(items), COMPACT_ENDPOINT)
         self.close(translation)
+        if translation.cut_at is not None:
+            cut = translation.cut_at
+            translation.messages[leading:cut] = []
+            translation.item_of[leading:cut] = []
+            known = known[cut - leading :]
         if not translation.messages:
             raise BadRequest(f"the request has no {self.item_noun} the model can read")
         chat_body: dict[str, Any] = {"model": request.model, "messages": translation.messages}
@@ -171,8 +187,9 @@ class TranslatedApi[T: ChatTranslation]:
         chat = with_known_chat(chat_body, found, walked=True) or validated(
             ChatRequest, chat_body, self.noun, bounded=True
         )
-        # A served compaction's reading holds the instruction the proxy added: no ordinary request may take it.
-        if exact and type(native) is list and translation.compacts is None:
+        # A served compaction's reading holds the instruction the proxy added, and a cut one has lost messages: no
+        # other request may take either.
+        if exact and type(native) is list and translation.compacts is None and translation.cut_at is None:
             self._remember(body, raw, *self.reading(translation, chat.messages[leading:], leading, offset), extension)
         return AgentRequest(
             chat=chat,
@@ -186,6 +203,7 @@ class TranslatedApi[T: ChatTranslation]:
             extra=extra,
             compacts=translation.compacts,
             compaction_refs=translation.compaction_refs,
+            compact_when=translation.compact_when,
         )
 
     def _validated(self, raw: dict[str, Any], extension: Extension | None) -> tuple[Any, list[Any], Any]:

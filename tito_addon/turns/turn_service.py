@@ -18,9 +18,11 @@ from urllib.parse import unquote
 
 from tito_addon.backends.backend_protocol import Backend, BackendResult, BackendTurn
 from tito_addon.backends.upstream_headers import forwarded_headers
+from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
 from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.protocols.agent_api import AgentApi, ReplyContext, Responder, Route
+from tito_addon.protocols.compaction_items import COMPACT_EDIT
 from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.routing import agent_apis, find_route
@@ -57,6 +59,23 @@ def checked_session_id(value: str | None, where: str) -> str | None:
     if problem is not None:
         raise BadRequest(f"invalid session id in {where}: {problem}; nothing was forwarded")
     return value
+
+
+def compacting(parsed: ParsedRequest, instruction: str, asked_by: str) -> ParsedRequest:
+    """The request with the instruction that asks the model for a summary as its last user message: a compaction
+    the proxy serves (`protocols/compaction_items`)."""
+    agent = parsed.agent
+    message = ChatMessage(role="user", content=instruction)
+    chat = agent.chat.model_copy(update={"messages": [*agent.chat.messages, message]})
+    chat_body = {
+        **agent.chat_body,
+        "messages": [*agent.chat_body["messages"], {"role": "user", "content": instruction}],
+    }
+    item_of = [*agent.item_of, agent.item_of[-1] if agent.item_of else 0]
+    agent = replace(agent, chat=chat, chat_body=chat_body, compacts=asked_by, item_of=item_of)
+    return replace(
+        parsed, agent=agent, keys=[*parsed.keys, message_key(message)], reasonings=[*parsed.reasonings, None]
+    )
 
 
 class TurnService:
@@ -137,7 +156,12 @@ class TurnService:
             named, first_root = parsed.session_id is not None, attachment.session is None
             messages = parsed.agent.chat.messages
             root = await self.sessions.links.place_root(parsed.link_scope, messages, named, first_root)
-        return self._place(parsed, attachment, located.group, root)
+        prepared = self._place(parsed, attachment, located.group, root)
+        when = parsed.agent.compact_when
+        if when is not None and parsed.agent.compacts is None and len(prepared.prompt) >= when[0]:
+            # Compact instead of answering (Anthropic's compact_20260112): the same turn, asked for a summary.
+            prepared = self._place(compacting(parsed, when[1], COMPACT_EDIT), attachment, located.group, root)
+        return prepared
 
     def _parse(
         self,
