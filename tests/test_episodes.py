@@ -434,11 +434,23 @@ def test_two_proxies_sharing_redis_place_every_turn_the_same(replica, redis_serv
 
         named = claude_code_episode(*clients(**{"x-session-id": "ep-pair"}))
         automatic = claude_code_episode(*clients())
+        # A compaction one proxy serves, continued on the other from its item (the signing key is the record dir's).
+        first, second = (responses_api(p, "cx-pair") for p in proxies)
+        items = worked(first)
+        trigger = [*items, {"type": "compaction_trigger"}]
+        compacted = second.responses.create(model="qwen3", input=trigger, tools=[EXEC])
+        rebuilt = [items[0], compacted.output[0].model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        first.responses.create(model="qwen3", input=rebuilt, tools=[EXEC])
     finally:
         for proxy in proxies:
             proxy.stop()
     turns = assert_token_exact(record_dir, replica)
-    assert len(turns) == 20
+    assert len(turns) == 24
+    served = sorted((t for t in turns if t.session_id == "cx-pair"), key=lambda t: t.ts)
+    assert [t.call for t in served] == ["main", "main", "compaction", "main"]
+    assert served[3].follows.model_dump(exclude_none=True) == {"session": "cx-pair", "turn_id": served[2].turn_id,
+                                                               "how": "compaction_item"}  # fmt: skip
+    turns = [t for t in turns if t.session_id != "cx-pair"]
     got = places(record_dir)
     assert {k: v for k, v in got.items() if k[0] == "ep-pair"} == named_places("ep-pair", named["spawn_call"])
     auto = sorted((t for t in turns if t.session_id != "ep-pair"), key=lambda t: t.ts)
