@@ -1554,7 +1554,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=JSON",
         help="on a call turn, call tool NAME with these arguments (a JSON object) when the request offers it; "
         "repeatable, the first one offered wins (default: the request's first tool, arguments made up from its "
-        "schema)",
+        'schema). Two keys of the JSON steer instead of being sent: "$once": true (not again once the conversation '
+        'holds a call to it) and "$agent_ids": "ARG" (fill ARG with the agent ids earlier tool results hold)',
+    )
+    ap.add_argument(
+        "--tool-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after N tool-call turns (all conversations together) every turn answers: ends an agent whose "
+        "contexts restart at each compaction (default: no limit)",
     )
     ap.add_argument(
         "--tool-rounds",
@@ -1592,6 +1601,8 @@ def main(argv: list[str] | None = None) -> int:
         preferred.setdefault(name, parsed)
     if args.tool_rounds is not None and args.tool_rounds < 0:
         ap.error("--tool-rounds must be 0 or more")
+    if args.tool_budget is not None and args.tool_budget < 0:
+        ap.error("--tool-budget must be 0 or more")
     if args.context_length < 2:
         ap.error("--context-length must be 2 or more")
     config = ReplicaConfig(
@@ -1602,6 +1613,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache=not args.no_prefix_cache,
         preferred_tools=preferred,
         tool_rounds=args.tool_rounds,
+        tool_budget=args.tool_budget,
         context_length=args.context_length,
         **({"summary_text": args.summary_answer} if args.summary_answer is not None else {}),
     )
