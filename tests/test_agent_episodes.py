@@ -21,6 +21,7 @@ from conftest import tokenizer_path
 from proxy_harness import REPO
 from test_agent_clis import (  # noqa: F401 - fixtures
     CODEX_CONFIG,
+    HostLoopback,
     NamespacedReplica,
     agent_clis,
     base_env,
@@ -245,3 +246,70 @@ def test_a_long_codex_episode_is_one_linked_episode(network, agent_clis, replica
     assert sub.appended_messages[-1]["content"] == spawn["message"] or spawn["message"] in str(sub.appended_messages)
     rows = assert_rows_per_segment(record_dir, tmp_path, replica, "cx-long", turns)
     assert {r["call"] for r in rows} == {"main", "compaction", "subagent"}
+
+
+def in_namespace(network, call):  # noqa: F811
+    """`call()` in a thread inside the test's network namespace: the processes it starts (forked from that thread) and
+    the sockets it opens to check on them are all there."""
+    import threading
+
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            network.enter_this_thread()
+            result["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def test_a_claude_code_episode_through_two_proxies_sharing_redis(network, agent_clis, replica, tmp_path: Path) -> None:  # noqa: F811
+    """The real Claude Code through HAProxy over two proxies on one Redis (all inside the namespace), round robin
+    without stickiness: an automatic compaction, `/compact` and a sub-agent, each placed as one proxy places them."""
+    from tito_addon.replicas.fleet import ProxyFleet, RedisServer
+
+    if isinstance(network, HostLoopback):
+        pytest.skip("the fleet runs inside the namespace")
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    redis = RedisServer(tmp_path / "redis")
+    in_namespace(network, redis.start)
+    options = {"tito_session_api_key_prefix": KEY_PREFIX, "tito_session_store": redis.url}
+    fleet = ProxyFleet(replica.url, 2, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir,
+                       workdir=tmp_path / "fleet", options=options)  # fmt: skip
+    try:
+        in_namespace(network, fleet.start)
+        project = tmp_path / "project"
+        project.mkdir()
+        env = base_env(
+            tmp_path / "home", agent_clis, ANTHROPIC_BASE_URL=fleet.url, ANTHROPIC_API_KEY=KEY_PREFIX + "cc-pair",
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
+            DISABLE_AUTOUPDATER="1", CLAUDE_CODE_AUTO_COMPACT_WINDOW="100000",
+        )  # fmt: skip
+        claude, tail = str(agent_clis / "claude"), ["--output-format", "stream-json", "--verbose"]
+        steer(replica, {"Bash": {"command": NUMBERS, "description": "Print numbers"}}, 60)
+        run_cli(network, [claude, "-p", "Print the numbers with Bash, again and again.", "--allowedTools", "Bash",
+                          "--max-turns", "20", *tail], env=env, cwd=project, ok=(0, 1))  # fmt: skip
+        run_cli(network, [claude, "-p", "--continue", "/compact", *tail], env=env, cwd=project)
+        steer(replica, {"Agent": SUBAGENT, "Bash": {"command": NUMBERS, "description": "Print numbers"}}, 1)
+        run_cli(network, [claude, "-p", "--continue", "Delegate the marker check to a sub-agent.", "--allowedTools",
+                          "Bash", "Agent", *tail], env=env, cwd=project)  # fmt: skip
+        refused = re.findall(r"<< ([45]\d\d\b.*)", fleet.output())
+        assert not refused, (refused, fleet.output()[-6000:])
+    finally:
+        in_namespace(network, fleet.stop)
+        in_namespace(network, redis.stop)
+    assert_token_exact(record_dir, replica)
+    turns, _ = assert_linked_episode(record_dir, "cc-pair", "Claude Code")
+    calls = [t.call for t in turns]
+    assert calls.count("compaction") >= 2 and calls.count("subagent") >= 1, calls
+    assert len([t for t in turns if t.follows is not None and t.follows.how == "summary"]) >= 2
+    parts = sorted(p.name for p in record_dir.glob("cc-pair*.jsonl"))
+    assert len(parts) == 2, parts  # both proxies served turns of the episode
