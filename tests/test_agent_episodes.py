@@ -59,10 +59,20 @@ def replica(network):  # noqa: F811
         yield running
 
 
-def episode_proxy(network, replica, tmp_path: Path) -> Mitmdump:  # noqa: F811
-    """A fresh replica log, and a proxy in the namespace whose API keys name episodes, recording to tmp_path/rec; the
-    CLIs work in tmp_path/project."""
+def fresh(replica) -> None:
+    """The module's replica as a test finds it: its log empty, its script steered by no earlier test."""
     replica.backend.reset()
+    defaults = ReplicaConfig.model_fields
+    for knob in ("preferred_tools", "tool_rounds", "tool_budget", "summary_markers"):
+        field = defaults[knob]
+        value = field.default_factory() if field.default_factory is not None else field.default
+        setattr(replica.backend.config, knob, value)
+
+
+def episode_proxy(network, replica, tmp_path: Path) -> Mitmdump:  # noqa: F811
+    """A fresh replica, and a proxy in the namespace whose API keys name episodes, recording to tmp_path/rec; the CLIs
+    work in tmp_path/project."""
+    fresh(replica)
     (tmp_path / "project").mkdir()
     options = {"tito_session_api_key_prefix": KEY_PREFIX}
     return Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path,
@@ -277,7 +287,7 @@ def test_a_claude_code_episode_through_two_proxies_sharing_redis(network, agent_
 
     if isinstance(network, HostLoopback):
         pytest.skip("the fleet runs inside the namespace")
-    replica.backend.reset()
+    fresh(replica)
     record_dir = tmp_path / "rec"
     redis = RedisServer(tmp_path / "redis")
     in_namespace(network, redis.start)
