@@ -32,7 +32,7 @@ from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest,
 from tito_addon.protocols.anthropic_translation import MessagesTranslation, translate_message
 from tito_addon.protocols.compaction_items import COMPACT_EDIT, COMPACTION_PURPOSE, SERVED_COMPACTION_PROMPT, summary_of
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.translated_api import ItemTranslation, TranslatedApi, TranslatedResponder
+from tito_addon.protocols.translated_api import HeldDeltas, ItemTranslation, TranslatedApi, TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
 from tito_addon.tito_errors import BadRequest, UpstreamPassthrough
 
@@ -235,7 +235,7 @@ class AnthropicResponder(TranslatedResponder):
         return _event("error", {"type": "error", "error": error})
 
 
-class CompactionBlockResponder(AnthropicResponder):
+class CompactionBlockResponder(HeldDeltas, AnthropicResponder):
     """A compaction this proxy served for `compact_20260112` (`compaction_items`): one `compaction` block holding the
     summary, sealed in its `encrypted_content`, and `stop_reason: "compaction"` (the agent sends the block back to
     go on); never the summary turn's own text or thinking as blocks."""
@@ -256,20 +256,11 @@ class CompactionBlockResponder(AnthropicResponder):
                    "usage": self.usage(outcome)}  # fmt: skip
         return HttpReply(200, {"content-type": "application/json"}, dumps_exact(payload, allow_nan=True))
 
-    def _started(self) -> bytes:
+    def started(self) -> bytes:
         return self._open("compaction", 0, {"type": "compaction", "content": None})
 
-    def reasoning_delta(self, reasoning: str) -> bytes:
-        return self._started()
-
-    def text_delta(self, text: str) -> bytes:
-        return self._started()
-
-    def call_delta(self, call: dict[str, Any]) -> bytes:
-        return self._started()
-
     def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
-        out = self._started() + self._delta({**self.block(outcome), "type": "compaction_delta"})
+        out = self.started() + self._delta({**self.block(outcome), "type": "compaction_delta"})
         return out + super().stream_end(outcome, tail)
 
 

@@ -14,7 +14,7 @@ from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import REFRAMED_STREAM_HEADERS, AgentRequest, ReplyContext, TurnOutcome
 from tito_addon.protocols.compaction_items import COMPACT_ENDPOINT, COMPACTION_PURPOSE, summary_of
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.translated_api import TranslatedResponder
+from tito_addon.protocols.translated_api import HeldDeltas, TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
 
 REASONING_PURPOSE = "responses-reasoning"
@@ -241,7 +241,7 @@ class ResponsesResponder(TranslatedResponder):
         return self._event("response.failed", response=failed)
 
 
-class CompactionResponder(ResponsesResponder):
+class CompactionResponder(HeldDeltas, ResponsesResponder):
     """A compaction the proxy served (`compaction_items`): one `compaction` item whose encrypted_content seals the
     summary, never the summary turn's text or reasoning as items. `/responses/compact` answers with the
     conversation's user messages and the item (`response.compaction`); a `compaction_trigger` turn with a response
@@ -271,23 +271,14 @@ class CompactionResponder(ResponsesResponder):
         body = dumps_exact(self.response("completed", outcome), allow_nan=True)
         return HttpReply(200, {"content-type": "application/json"}, body)
 
-    def _started(self) -> bytes:
+    def started(self) -> bytes:
         if self.items:
             return b""
         self.items.append(self.item)
         return self._event("response.output_item.added", output_index=0, item={**self.item})
 
-    def reasoning_delta(self, reasoning: str) -> bytes:
-        return self._started()
-
-    def text_delta(self, text: str) -> bytes:
-        return self._started()
-
-    def call_delta(self, call: dict[str, Any]) -> bytes:
-        return self._started()
-
     def stream_end(self, outcome: TurnOutcome, tail: list[dict[str, Any]]) -> bytes:
-        out = self._started()
+        out = self.started()
         self.items[0] = self.sealed_item(outcome)
         out += self._event("response.output_item.done", output_index=0, item=self.items[0])
         return out + self._event("response.completed", response=self.response("completed", outcome))

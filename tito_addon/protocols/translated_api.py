@@ -331,6 +331,23 @@ class TranslatedApi[T: ChatTranslation]:
         return None
 
 
+class HeldDeltas:
+    """For a responder that shows none of the turn's text as it streams (a served compaction: the agent gets the sealed
+    summary once the turn is done): every delta only opens the answer's one block or item (`started`)."""
+
+    def started(self) -> bytes:
+        raise NotImplementedError
+
+    def reasoning_delta(self, reasoning: str) -> bytes:
+        return self.started()
+
+    def text_delta(self, text: str) -> bytes:
+        return self.started()
+
+    def call_delta(self, call: dict[str, Any]) -> bytes:
+        return self.started()
+
+
 class TranslatedResponder:
     """One turn's answer in a translated API: the stream is written from canonical chunks, each split here into its
     reasoning, text and tool-call deltas; a finished message is re-framed as the same stream (`reframed`)."""
