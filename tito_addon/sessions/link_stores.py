@@ -29,14 +29,15 @@ class MemoryLinks:
         self._lists: OrderedDict[tuple[str, str], deque[dict[str, Any]]] = OrderedDict()
         self._claimed: OrderedDict[str, None] = OrderedDict()
 
-    async def add(self, scope: str, kind: str, entry: dict[str, Any]) -> None:
-        entries = self._lists.get((scope, kind))
-        if entries is None:
-            entries = self._lists[(scope, kind)] = deque(maxlen=self.per_scope)
-            while len(self._lists) > 2 * self.scopes:
-                self._lists.popitem(last=False)
-        self._lists.move_to_end((scope, kind))
-        entries.appendleft(entry)
+    async def add(self, scope: str, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        for kind, entry in entries:
+            kept = self._lists.get((scope, kind))
+            if kept is None:
+                kept = self._lists[(scope, kind)] = deque(maxlen=self.per_scope)
+                while len(self._lists) > 2 * self.scopes:
+                    self._lists.popitem(last=False)
+            self._lists.move_to_end((scope, kind))
+            kept.appendleft(entry)
 
     async def entries(self, scope: str, kind: str) -> list[dict[str, Any]]:
         return list(self._lists.get((scope, kind), ()))
@@ -63,12 +64,14 @@ class RedisLinks:
     def _key(self, scope: str, kind: str) -> str:
         return f"{self.prefix}:links:{kind}:{hashlib.sha256(scope.encode()).hexdigest()[:32]}"
 
-    async def add(self, scope: str, kind: str, entry: dict[str, Any]) -> None:
-        key = self._key(scope, kind)
+    async def add(self, scope: str, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        """One round trip for all of a turn's entries."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.lpush(key, json.dumps(entry, ensure_ascii=False))
-        pipe.ltrim(key, 0, self.per_scope - 1)
-        pipe.expire(key, TTL_S)
+        for kind in dict.fromkeys(kind for kind, _ in entries):
+            key = self._key(scope, kind)
+            pipe.lpush(key, *(json.dumps(e, ensure_ascii=False) for k, e in entries if k == kind))
+            pipe.ltrim(key, 0, self.per_scope - 1)
+            pipe.expire(key, TTL_S)
         await self.run(pipe.execute())
 
     async def entries(self, scope: str, kind: str) -> list[dict[str, Any]]:

@@ -147,7 +147,9 @@ class SessionStatus:
 class LinkStore(Protocol):
     """What later roots may link to (`sessions/link_stores`): per scope and kind, entries newest first; and claims."""
 
-    async def add(self, scope: str, kind: str, entry: dict[str, Any]) -> None: ...
+    async def add(self, scope: str, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        """Entries (kind, entry) of one turn, newest last."""
+        ...
 
     async def entries(self, scope: str, kind: str) -> list[dict[str, Any]]: ...
 

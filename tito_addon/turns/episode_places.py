@@ -131,10 +131,11 @@ class EpisodeLinks:
         message = line.get("assistant_message") or {}
         content = message.get("content")
         calls = message.get("tool_calls") or []
+        entries: list[tuple[str, dict[str, Any]]] = []
         if isinstance(content, str) and not calls and (line.get("call") == "compaction" or "<summary>" in content):
             summary = summary_of(content)
             if MIN_SUMMARY_CHARS <= len(summary) <= MAX_TARGET_CHARS:
-                await self.store.add(scope, "summary", {**target, "text": summary})
+                entries.append(("summary", {**target, "text": summary}))
         for call in calls:
             function = call.get("function") or {}
             arguments = parse_arguments(function.get("arguments") or "{}")
@@ -146,7 +147,9 @@ class EpisodeLinks:
                 text = value.strip() if isinstance(value, str) else ""
                 if MIN_ARGUMENT_CHARS <= len(text) <= MAX_TARGET_CHARS:
                     entry = {**target, "text": text, "spawning": spawning, "call_id": call.get("id")}
-                    await self.store.add(scope, "argument", entry)
+                    entries.append(("argument", entry))
+        if entries:  # one write a turn, and none for most turns
+            await self.store.add(scope, entries)
 
     async def place_root(
         self, scope: str, messages: Sequence[ChatMessage], named: bool, first_root: bool
