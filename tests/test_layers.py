@@ -12,6 +12,7 @@ Layers (each sub-package's `__init__` docstring says the same in prose):
     proxy       turns and everything below it; with tools, the only users of mitmproxy
     tools       everything; of the replicas only the demo and the reference-backend subcommand
     replicas    only each other, so they stay independent of the code they stand in for
+    trainers    only each other: verl's and slime's loaders run on the trainer's Python; the only users of torch
 
 `test_a_planted_violation_is_caught` plants one violation of each kind in a copy of the tree and shows the
 checker names it, so the rules are known to bite.
@@ -46,15 +47,18 @@ ALLOWED: dict[str, set[str]] = {
     "protocols": {GROUND, "protocols"},
     "turns": CORE | {"turns"},
     "proxy": CORE | {"turns", "proxy"},
-    "tools": CORE | {"turns", "proxy", "tools"},
+    "tools": CORE | {"turns", "proxy", "tools", "trainers"},
     "replicas": {"replicas"},
+    "trainers": {"trainers"},
     ENTRY: {"proxy", "tools"},
 }
 #: The only modules outside `replicas` that may import a replica (the demo runs one; `reference-backend` serves one).
 REPLICA_USERS = {"tito_addon.tools.demo_run", "tito_addon.tools.cli"}
 MITMPROXY_USERS = {"proxy", "tools"}
-#: Never imported by any module of the package: the addon loads tokenizers and templates, never a model.
+#: Never imported by the package outside `trainers` (which runs in a trainer's environment, never in the addon):
+#: the addon loads tokenizers and templates, never a model.
 FORBIDDEN_EVERYWHERE = {"torch"}
+TORCH_USERS = {"trainers"}
 MAX_LINES = 500
 LONG_REASON = "Why this module is long:"
 #: What the turn layer may import of `sessions`: the interface and the shapes it speaks in, never an implementation
@@ -125,7 +129,7 @@ def violations(root: Path) -> list[Violation]:
             continue
         for imported in imports_of(path, module):
             top = imported.split(".")[0]
-            if top in FORBIDDEN_EVERYWHERE:
+            if top in FORBIDDEN_EVERYWHERE and layer not in TORCH_USERS:
                 out.append(Violation(module, imported, f"{top} is never imported by the package"))
             elif top == "mitmproxy" and layer not in MITMPROXY_USERS:
                 out.append(Violation(module, imported, "only proxy/ and tools/ import mitmproxy"))
@@ -176,6 +180,8 @@ PLANTED = [
     ("replicas/planted.py", "from tito_addon.engine.token_engine import TokenEngine\n", "replicas may import only"),
     ("tools/planted.py", "from tito_addon.replicas import vllm_replica\n", "replicas are imported only"),
     ("turns/planted.py", "import torch\n", "never imported by the package"),
+    ("records/planted.py", "def lazy():\n    from tito_addon.trainers import verl_batch\n", "records may import"),
+    ("trainers/planted.py", "from tito_addon.records.trainer_rows import rows_of\n", "trainers may import only"),
     ("newlayer/__init__.py", '"""A layer nobody has placed."""\n', "is not a known layer"),
 ]
 

@@ -229,7 +229,7 @@ def check_row(row: dict, layout: str, record_dir: Path) -> None:
         assert len(row["response_mask"]) == len(row["rollout_log_probs"]) == len(row["responses"])
         check_sampled(row["responses"], row["response_mask"], row["rollout_log_probs"], path)
         assert row["response_mask"][: len(path[0].completion_ids)] == [1] * len(path[0].completion_ids)
-        assert row["uid"] == row["session_id"]
+        assert row["uid"] == row["group"]  # the GRPO group (records/rollout_groups)
         assert row["reward_score"] == row["reward"]
         if row["reward"] is None:
             assert row["rm_scores"] is None

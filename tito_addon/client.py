@@ -6,9 +6,10 @@
     ... run the agent ...
     with TitoClient("http://127.0.0.1:8080", token) as tito:
         tito.wait_idle("episode-7")
-        tito.annotate("episode-7", reward=1.0, labels=["solved"])
-        table = tito.rows_parquet("episode-7", format="verl")   # bytes of a Parquet file
+        tito.annotate("episode-7", reward=1.0, labels=["solved"], group="task-3")
         tito.close("episode-7")
+    ... every episode done ...
+        data = tito.export_rows(episodes, format="verl", to="parquet", group_size=8)   # one file, groups together
 
 Every call goes through the proxy's own port to its reserved control host (`tito_control_host`), in any proxy mode.
 Built on aiohttp (the HTTP library the addon already uses); imports nothing else of the package, so a driver can
@@ -56,7 +57,7 @@ class AsyncTitoClient:
     def __init__(self, proxy: str, token: str, *, host: str = DEFAULT_HOST, timeout_s: float = 660.0) -> None:
         """`proxy`: the proxy's address (`http://HOST:PORT`, with `user:password@` if it requires proxy auth)."""
         self.proxy = proxy
-        self.base = f"http://{host}/v1/sessions"
+        self.base = f"http://{host}/v1"
         self._headers = {"authorization": f"Bearer {token}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -73,7 +74,12 @@ class AsyncTitoClient:
             self._session = None
 
     async def _call(
-        self, method: str, path: str = "", *, params: dict[str, Any] | None = None, body: dict[str, Any] | None = None
+        self,
+        method: str,
+        path: str = "/sessions",
+        *,
+        params: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,
     ) -> tuple[bytes, dict[str, str]]:
         if self._session is None:
             # trust_env off: the proxy is named explicitly, never taken (or bypassed) from the driver's environment
@@ -97,7 +103,7 @@ class AsyncTitoClient:
 
     @staticmethod
     def _path(session_id: str, action: str = "") -> str:
-        return "/" + quote(session_id, safe="") + (f"/{action}" if action else "")
+        return "/sessions/" + quote(session_id, safe="") + (f"/{action}" if action else "")
 
     async def sessions(self, *, live: bool = False, limit: int = 1000) -> list[dict[str, Any]]:
         """Live and recorded sessions (id, turns, tokens, branches, live, last_activity, closed), newest first."""
@@ -121,6 +127,35 @@ class AsyncTitoClient:
         payload, _ = await self._call("GET", self._path(session_id, "rows"), params=params)
         return payload
 
+    async def export_rows(
+        self,
+        sessions: list[str],
+        *,
+        format: str = "generic",
+        to: str = "jsonl",
+        calls: str | list[str] | None = None,
+        group_size: int | None = None,
+        group_policy: str = "refuse",
+        dedupe_shared_turns: bool = False,
+    ) -> Any:
+        """The rows of several sessions as one export, equal to `python -m tito_addon export --session ID ...`'s:
+        each group's rows together, `group_index`, `rollout_id` and `index` numbered across all of them. `to`:
+        `jsonl` (a list of dicts), `parquet` (the file's bytes) or `summary` (the groups and their sizes, no rows).
+        With `group_size` (slime's `n_samples_per_prompt`, in rows) a group of another size is refused (a 409),
+        left out (`group_policy="drop"`) or padded (`"pad"`)."""
+        body: dict[str, Any] = {"sessions": list(sessions), "format": format, "to": to, "group_policy": group_policy,
+                                "dedupe_shared_turns": dedupe_shared_turns}  # fmt: skip
+        if calls:
+            body["calls"] = calls
+        if group_size is not None:
+            body["group_size"] = group_size
+        payload, _ = await self._call("POST", "/rows", body=body)
+        if to == "parquet":
+            return payload
+        if to == "summary":
+            return json.loads(payload)
+        return [json.loads(line) for line in payload.splitlines() if line.strip()]
+
     async def annotate(
         self,
         session_id: str,
@@ -128,12 +163,15 @@ class AsyncTitoClient:
         reward: float | None = None,
         labels: list[str] | None = None,
         metadata: dict[str, Any] | None = None,
+        group: str | None = None,
         turn_id: int | None = None,
         scope: str | None = None,
     ) -> dict[str, Any]:
-        """Attach a reward, labels or metadata to the session, or to one of its turns (`turn_id`): it reaches every
-        segment of the episode, or with `scope="segment"` only the segments holding that turn."""
-        fields = {"reward": reward, "labels": labels, "metadata": metadata, "turn_id": turn_id, "scope": scope}
+        """Attach a reward, labels, metadata or a group (the task the episode was a sample of: its GRPO group) to the
+        session, or to one of its turns (`turn_id`): it reaches every segment of the episode, or with
+        `scope="segment"` only the segments holding that turn (a group is always the episode's)."""
+        fields = {"reward": reward, "labels": labels, "metadata": metadata, "group": group, "turn_id": turn_id,
+                  "scope": scope}  # fmt: skip
         body = {k: v for k, v in fields.items() if v is not None}
         payload, _ = await self._call("POST", self._path(session_id, "annotations"), body=body)
         return json.loads(payload)
@@ -187,6 +225,9 @@ class TitoClient:
 
     def rows_parquet(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> bytes:
         return self._run(self._client.rows_parquet(session_id, format=format, calls=calls))
+
+    def export_rows(self, sessions: list[str], **options: Any) -> Any:
+        return self._run(self._client.export_rows(sessions, **options))
 
     def annotate(self, session_id: str, **fields: Any) -> dict[str, Any]:
         return self._run(self._client.annotate(session_id, **fields))

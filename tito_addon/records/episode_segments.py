@@ -10,7 +10,8 @@ committed.
 Annotations reach every segment of their episode: a reward, labels or metadata on the session or on any of the
 episode's turns, unless the annotation is scoped to its segment (`scope: "segment"`: it reaches the segments whose
 own turns hold it). Of the rewards that reach a segment, the latest written wins, and one scoped to the segment wins
-over the episode's; labels are gathered in the order written, metadata merged key by key (later wins).
+over the episode's; labels are gathered in the order written, metadata merged key by key (later wins). A group is
+always the episode's (the latest written wins; see `records/rollout_groups`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SegmentNotes:
     reward: float | None = None
     labels: list[str] = field(default_factory=list)
     metadata: dict[str, Any] | None = None
+    group: str | None = None
 
 
 @dataclass
@@ -122,4 +124,6 @@ def segment_notes(segment: Segment, episode: list[Segment]) -> SegmentNotes:
                 notes.labels.append(label)
         if note.metadata is not None:
             notes.metadata = {**(notes.metadata or {}), **note.metadata}
+        if note.group is not None:
+            notes.group = note.group
     return notes

@@ -24,6 +24,7 @@ ANNOTATION_SCHEMA = "tito.annotation.v1"
 MAX_LABELS = 64
 MAX_LABEL_CHARS = 256
 MAX_METADATA_BYTES = 64 * 1024
+MAX_GROUP_CHARS = 256
 
 
 class TokenizerInfo(BaseModel):
@@ -209,6 +210,9 @@ class AnnotationRecord(BaseModel):
         default=None, max_length=MAX_LABELS
     )
     metadata: dict[str, Any] | None = None
+    # The GRPO group the episode is a sample of (the task a driver gave it), what verl's `uid` and slime's
+    # `group_index` come from (`records/rollout_groups`); without one an episode is grouped by its first prompt.
+    group: Annotated[str, StringConstraints(min_length=1, max_length=MAX_GROUP_CHARS)] | None = None
     # An annotation on a turn reaches every segment of the turn's episode (`records/episode_segments`); `segment`:
     # only the segment the turn is in. None: the episode.
     scope: Literal["episode", "segment"] | None = None
@@ -216,8 +220,10 @@ class AnnotationRecord(BaseModel):
 
     @model_validator(mode="after")
     def _says_something(self) -> AnnotationRecord:
-        if self.reward is None and self.labels is None and self.metadata is None:
-            raise ValueError("an annotation carries a reward, labels or metadata")
+        if self.reward is None and self.labels is None and self.metadata is None and self.group is None:
+            raise ValueError("an annotation carries a reward, labels, metadata or a group")
+        if self.group is not None and self.scope == "segment":
+            raise ValueError("a group is its episode's: it cannot be scoped to a segment")
         if self.metadata is not None:
             size = len(json.dumps(self.metadata, ensure_ascii=False, allow_nan=False).encode())
             if size > MAX_METADATA_BYTES:

@@ -1,6 +1,6 @@
 """Trainer rows from recordings, what `export` writes and the control API serves: one row per segment of an episode
-(a run of turns of one kind of call where each prompt extends the last; see `records/episode_segments`), in one of
-three layouts.
+(a run of turns of one kind of call where each prompt extends the last; see `records/episode_segments`), grouped and
+numbered for a trainer (`records/rollout_groups`), in one of four layouts.
 
 - generic: the segment's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
   `loss_mask` (1 exactly on the tokens the model sampled, in every turn of the segment), `rollout_logprobs` (the
@@ -9,15 +9,19 @@ three layouts.
 - verl: the split of verl's agent loop (`verl/experimental/agent_loop/agent_loop.py`): `prompts` is the first turn's
   prompt, `responses` everything after it (every sampled completion and the tool results and user turns between
   them), `response_mask` 1 on sampled tokens, `rollout_log_probs` aligned with `responses`, `rm_scores` the reward on
-  the last response token, `uid` the GRPO group (the session).
+  the last response token, `uid` the GRPO group. `trainers/verl_batch` pads these rows into verl's `DataProto`.
 - slime: the fields of slime's `Sample` (`slime/utils/types.py`): `tokens` (the whole branch), `response_length`,
-  `loss_mask` and `rollout_log_probs` over the response part only, `prompt`/`response` text, `status`, `reward`.
+  `loss_mask` and `rollout_log_probs` over the response part only, `prompt`/`response` text, `status`, `reward`,
+  `group_index`, `index`, `rollout_id`. `trainers/slime_rollouts` writes them as slime's rollout files.
+- verl-dataset: one row per group, the group's first request in verl's dataset columns (`prompt`, `data_source`,
+  `reward_model`, `extra_info`), for a trainer that samples the prompts again.
 
-Every layout also carries the segment's ids (`session_id`, `leaf_turn_id`, `turn_ids`), its place (`episode`,
-`segment`: its order in the episode, `call`), what a driver's annotations say about its episode (`reward`,
-`labels`, `metadata` as JSON; see `records/episode_segments`), the backend's weight version of
-each turn (`weight_versions`) and the model and tokenizer hashes. The README's export section maps each field to its
-source. Parquet output has one fixed schema per layout and no timestamps, so equal rows give equal bytes.
+Every row layout also carries the segment's ids (`session_id`, `leaf_turn_id`, `turn_ids`), its place (`episode`,
+`segment`: its order in the episode, `call`), its group and numbers (`group`, `group_index`, `rollout_id`: the
+episode, `index`: the row), what a driver's annotations say about its episode (`reward`, `labels`, `metadata` as JSON;
+see `records/episode_segments`), the backend's weight version of each turn (`weight_versions`), the model and
+tokenizer hashes, and `padded` (a copy that pads a group and trains nothing). The README's export section maps each
+field to its source. Parquet output has one fixed schema per layout and no timestamps, so equal rows give equal bytes.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.episode_segments import Segment, SegmentNotes, episode_segments
 from tito_addon.records.record_models import CALLS, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files, read_session
+from tito_addon.records.rollout_groups import Arrangement, PlacedRow, arrange
+from tito_addon.records.segment_branches import branches
 
-LAYOUTS = ("generic", "verl", "slime")
-FILE_TYPES = ("parquet", "jsonl")
+LAYOUTS = ("generic", "verl", "slime", "verl-dataset")
+ROW_FILE_TYPES = ("parquet", "jsonl")
+FILE_TYPES = ROW_FILE_TYPES + ("pt",)  # pt: slime's `{rollout_id}.pt` rollout files (`trainers/slime_rollouts`)
 # `--format`: a layout, or (as before layouts existed) a file type, which then means the generic layout.
-FORMATS = LAYOUTS + FILE_TYPES
+FORMATS = LAYOUTS + ROW_FILE_TYPES
 # slime's `Sample.Status` values by the leaf turn's finish reason (slime reads sglang's `finish_reason.type`: length
 # -> truncated, abort -> aborted, stop -> completed); tool_calls and every other reason end a turn normally.
 SLIME_STATUS = {"length": "truncated", "abort": "aborted"}
@@ -48,48 +54,13 @@ class ExportError(RecordError):
 
 
 @dataclass(frozen=True)
-class Branch:
-    """One segment as a row: its full ids, where the model sampled, and what the annotations say of it."""
+class ExportOptions:
+    """What an export or a rows call asks beyond the layout (see `records/rollout_groups`)."""
 
-    path: list[TurnRecord]
-    ids: list[int]  # the leaf's prompt + completion
-    mask: list[int]  # 1 on every sampled token of every turn of the segment
-    logprobs: list[float]  # the sampled tokens' logprobs at their positions, 0 elsewhere
-    messages: list[dict[str, Any]] | None  # None when the session was recorded without message text
-    notes: SegmentNotes
-    episode: str
-    segment: int
-
-    @property
-    def prompt_len(self) -> int:
-        """The first turn's prompt: the part no turn of the segment sampled or appended."""
-        return self.path[0].prompt_len
-
-
-def branch_of(segment: Segment, ids: dict[int, tuple[list[int], list[int]]]) -> Branch:
-    path = segment.path
-    prompt, completion = ids[path[-1].turn_id]
-    sequence = prompt + completion
-    mask = [0] * len(sequence)
-    logprobs = [0.0] * len(sequence)
-    messages: list[dict[str, Any]] | None = []
-    for turn in path:
-        start = turn.prompt_len  # the turn's completion follows its prompt in every descendant's sequence
-        for offset, value in enumerate(turn.completion_logprobs):
-            mask[start + offset] = 1
-            logprobs[start + offset] = value
-        if messages is not None and turn.appended_messages is not None:
-            messages += turn.appended_messages + [turn.assistant_message]
-        else:
-            messages = None
-    return Branch(path, sequence, mask, logprobs, messages, segment.notes, segment.episode, segment.index)
-
-
-def branches(files: list[SessionFile], calls: Any = None) -> list[Branch]:
-    """Every segment of every episode of `files` (only those of `calls`, None: all), episode by episode."""
-    # Rebuilt first: that proves every parent recorded, before segments walk up to them.
-    full = {id(session_file): session_file.full_ids() for session_file in files}
-    return [branch_of(segment, full[id(segment.session)]) for segment in episode_segments(files, calls)]
+    calls: list[str] | None = None
+    group_size: int | None = None
+    group_policy: str = "refuse"
+    dedupe_shared_turns: bool = False
 
 
 def parse_calls(value: str | None) -> list[str] | None:
@@ -103,7 +74,8 @@ def parse_calls(value: str | None) -> list[str] | None:
     return calls
 
 
-def _head(branch: Branch) -> dict[str, Any]:
+def _head(row: PlacedRow) -> dict[str, Any]:
+    branch = row.branch
     leaf = branch.path[-1]
     return {
         "session_id": leaf.session_id,
@@ -112,10 +84,15 @@ def _head(branch: Branch) -> dict[str, Any]:
         "episode": branch.episode,
         "segment": branch.segment,
         "call": leaf.call,
+        "group": row.group,
+        "group_index": row.group_index,
+        "rollout_id": row.rollout_id,
+        "index": row.index,
     }
 
 
-def _tail(branch: Branch) -> dict[str, Any]:
+def _tail(row: PlacedRow) -> dict[str, Any]:
+    branch = row.branch
     leaf, notes = branch.path[-1], branch.notes
     metadata = None if notes.metadata is None else json.dumps(notes.metadata, ensure_ascii=False, allow_nan=False)
     return {
@@ -127,18 +104,20 @@ def _tail(branch: Branch) -> dict[str, Any]:
         "tokenizer": leaf.tokenizer.name,
         "tokenizer_sha256": leaf.tokenizer.tokenizer_sha256,
         "template_sha256": leaf.tokenizer.template_sha256,
+        "padded": row.padded,
     }
 
 
-def generic_row(branch: Branch) -> dict[str, Any]:
+def generic_row(row: PlacedRow) -> dict[str, Any]:
+    branch = row.branch
     return {
-        **_head(branch),
+        **_head(row),
         "input_ids": branch.ids,
         "loss_mask": branch.mask,
         "rollout_logprobs": branch.logprobs,
         "messages": json.dumps(branch.messages, ensure_ascii=False),
         "finish_reasons": [t.finish_reason for t in branch.path],
-        **_tail(branch),
+        **_tail(row),
     }
 
 
@@ -149,14 +128,19 @@ def verl_num_turns(path: list[TurnRecord]) -> int:
     return 1 + len(path) + appended
 
 
-def verl_row(branch: Branch) -> dict[str, Any]:
+def verl_row(row: PlacedRow) -> dict[str, Any]:
+    branch = row.branch
     cut = branch.prompt_len
     responses = branch.ids[cut:]
     reward = branch.notes.reward
-    rm_scores = None if reward is None else [0.0] * (len(responses) - 1) + [reward]
+    # The reward on the last response token, as verl's agent loop puts it; a row with no response token has nowhere
+    # to put it (`trainers/verl_batch` places it on the first padding position, where only the sum reads it).
+    rm_scores = None if reward is None else [0.0] * len(responses)
+    if rm_scores:
+        rm_scores[-1] = reward
     return {
-        **_head(branch),
-        "uid": branch.path[-1].session_id,  # the GRPO group: a group's samples are branches of one session
+        **_head(row),
+        "uid": row.group,  # verl's GRPO group key
         "prompts": branch.ids[:cut],
         "responses": responses,
         "response_mask": branch.mask[cut:],
@@ -166,7 +150,7 @@ def verl_row(branch: Branch) -> dict[str, Any]:
         "reward_score": reward,
         "__num_turns__": verl_num_turns(branch.path),
         "finish_reasons": [t.finish_reason for t in branch.path],
-        **_tail(branch),
+        **_tail(row),
     }
 
 
@@ -187,14 +171,13 @@ def _decoder(name: str) -> Callable[[list[int]], str]:
     return decode
 
 
-def slime_row(branch: Branch, index: int = 0, group_index: int = 0) -> dict[str, Any]:
+def slime_row(row: PlacedRow) -> dict[str, Any]:
+    branch = row.branch
     cut = branch.prompt_len
     leaf = branch.path[-1]
     decode = _decoder(leaf.tokenizer.name)
     return {
-        **_head(branch),
-        "group_index": group_index,
-        "index": index,
+        **_head(row),
         "prompt": decode(branch.ids[:cut]),
         "tokens": branch.ids,
         "response": decode(branch.ids[cut:]),
@@ -202,27 +185,88 @@ def slime_row(branch: Branch, index: int = 0, group_index: int = 0) -> dict[str,
         "loss_mask": branch.mask[cut:],
         "rollout_log_probs": branch.logprobs[cut:],
         "status": SLIME_STATUS.get(leaf.finish_reason or "", "completed"),
-        **_tail(branch),
+        **_tail(row),
     }
 
 
+ROW_MAKERS: dict[str, Callable[[PlacedRow], dict[str, Any]]] = {
+    "generic": generic_row,
+    "verl": verl_row,
+    "slime": slime_row,
+}
+
+
 def session_rows(session_file: SessionFile, layout: str, calls: list[str] | None = None) -> list[dict[str, Any]]:
-    """The rows of one session's segments (of `calls` only, None: all) in `layout` (one of `LAYOUTS`).
-
-    slime rows number their segments from 0 (`index`) in group 0 (`group_index`); `export` renumbers them across
-    the sessions it writes together (one session alone keeps these numbers)."""
-    return rows_of([session_file], layout, calls)
+    """The rows of one session's segments (of `calls` only, None: all) in `layout` (one of `LAYOUTS`)."""
+    return rows_of([session_file], layout, ExportOptions(calls=calls))[0]
 
 
-def rows_of(files: list[SessionFile], layout: str, calls: list[str] | None = None) -> list[dict[str, Any]]:
+def rows_of(
+    files: list[SessionFile], layout: str, options: ExportOptions = ExportOptions()
+) -> tuple[list[dict[str, Any]], Arrangement]:
+    """The rows of every segment of every episode of `files` in `layout`, grouped and numbered across them all, and
+    the arrangement that placed them (its groups, sizes, shared turns)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
-    found = branches(files, calls)
-    if layout == "verl":
-        return [verl_row(branch) for branch in found]
-    if layout == "slime":
-        return [slime_row(branch, index) for index, branch in enumerate(found)]
-    return [generic_row(branch) for branch in found]
+    arrangement = arrange(
+        branches(files),
+        calls=options.calls,
+        group_size=options.group_size,
+        policy=options.group_policy,
+        dedupe_shared_turns=options.dedupe_shared_turns,
+    )
+    if layout == "verl-dataset":
+        return verl_dataset_rows(arrangement), arrangement
+    make = ROW_MAKERS[layout]
+    return [make(row) for row in arrangement.rows], arrangement
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def verl_dataset_rows(arrangement: Arrangement) -> list[dict[str, Any]]:
+    """verl's dataset rows (`RLHFDataset`: `prompt`, `data_source`, `reward_model`, `extra_info`), one per group: the
+    first request of the group's first episode, for a trainer that samples the prompt again. `prompt` holds each
+    message's role and text; the exact messages and tools are in `extra_info` as JSON. `data_source` and the
+    rule's `ground_truth` come from the episode's metadata when the driver gave them."""
+    out: list[dict[str, Any]] = []
+    for report in arrangement.groups:
+        if report.group_index is None:
+            continue
+        rows = [row for row in arrangement.rows if row.group_index == report.group_index and not row.padded]
+        first = min(rows, key=lambda row: (row.rollout_id, row.branch.segment)).branch
+        turn = first.path[0]
+        if turn.appended_messages is None or turn.parent_turn_id is not None:
+            raise ExportError(
+                f"group {report.group!r}: its first request is not in the record as messages (recorded without "
+                "message text, or a continued segment); the verl-dataset layout needs it whole"
+            )
+        messages = turn.appended_messages
+        metadata = first.notes.metadata or {}
+        rewards = [row.branch.notes.reward for row in rows if row.branch.notes.reward is not None]
+        out.append(
+            {
+                "prompt": [{"role": str(m.get("role", "")), "content": _text_of(m.get("content"))} for m in messages],
+                "data_source": str(metadata.get("data_source", "tito")),
+                "reward_model": {"style": "rule", "ground_truth": _text_of(metadata.get("ground_truth", ""))},
+                "extra_info": {
+                    "index": report.group_index,
+                    "group": report.group,
+                    "episodes": report.episodes,
+                    "rows": report.rows,
+                    "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                    "split": str(metadata.get("split", "train")),
+                    "messages_json": json.dumps(messages, ensure_ascii=False),
+                    "tools_json": json.dumps(turn.tools, ensure_ascii=False),  # a first turn's line has its tools
+                },
+            }
+        )
+    return out
 
 
 @functools.cache
@@ -245,6 +289,10 @@ def schema(layout: str) -> Any:
         ("episode", pa.string()),
         ("segment", pa.int64()),
         ("call", pa.string()),
+        ("group", pa.string()),
+        ("group_index", pa.int64()),
+        ("rollout_id", pa.int64()),
+        ("index", pa.int64()),
     ]
     tail = [
         ("reward", pa.float64()),
@@ -255,7 +303,31 @@ def schema(layout: str) -> Any:
         ("tokenizer", pa.string()),
         ("tokenizer_sha256", pa.string()),
         ("template_sha256", pa.string()),
+        ("padded", pa.bool_()),
     ]
+    if layout == "verl-dataset":
+        return pa.schema(
+            [
+                ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                ("data_source", pa.string()),
+                ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+                (
+                    "extra_info",
+                    pa.struct(
+                        [
+                            ("index", pa.int64()),
+                            ("group", pa.string()),
+                            ("episodes", pa.int64()),
+                            ("rows", pa.int64()),
+                            ("reward_mean", pa.float64()),
+                            ("split", pa.string()),
+                            ("messages_json", pa.string()),
+                            ("tools_json", pa.string()),
+                        ]
+                    ),
+                ),
+            ]
+        )
     body = {
         "generic": [
             ("input_ids", ids),
@@ -277,8 +349,6 @@ def schema(layout: str) -> Any:
             ("finish_reasons", strings),
         ],
         "slime": [
-            ("group_index", pa.int64()),
-            ("index", pa.int64()),
             ("prompt", pa.string()),
             ("tokens", ids),
             ("response", pa.string()),
@@ -294,8 +364,8 @@ def schema(layout: str) -> Any:
 def encode_rows(rows: list[dict[str, Any]], layout: str, file_type: str) -> bytes:
     """The exact bytes `export` writes for `rows` of `layout`: Parquet (one fixed schema per layout, no timestamps:
     equal rows give equal bytes) or JSON Lines (one strict-JSON object per row, columns in schema order)."""
-    if file_type not in FILE_TYPES:
-        raise ValueError(f"unknown file type {file_type!r}; choose one of: {', '.join(FILE_TYPES)}")
+    if file_type not in ROW_FILE_TYPES:
+        raise ValueError(f"unknown file type {file_type!r}; choose one of: {', '.join(ROW_FILE_TYPES)}")
     columns = schema(layout).names  # also refuses an unknown layout
     for row in rows:
         if list(row) != columns:
@@ -312,14 +382,38 @@ def encode_rows(rows: list[dict[str, Any]], layout: str, file_type: str) -> byte
 
 
 def resolve_format(fmt: str, file_type: str | None = None) -> tuple[str, str]:
-    """(layout, file type) from `--format` and `--to`: `parquet`/`jsonl` as a format is the generic layout."""
-    if fmt in FILE_TYPES:
+    """(layout, file type) from `--format` and `--to`: `parquet`/`jsonl` as a format is the generic layout; `pt`
+    (slime's rollout files) only for the slime layout."""
+    if fmt in ROW_FILE_TYPES:
         if file_type not in (None, fmt):
             raise ValueError(f"--format {fmt} is the generic layout as {fmt}; it cannot be written as {file_type}")
         return "generic", fmt
     if fmt not in LAYOUTS:
         raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    if file_type == "pt" and fmt != "slime":
+        raise ValueError("--to pt writes slime's rollout files: only with --format slime")
     return fmt, file_type or "parquet"
+
+
+def read_files(record_dir: Path, sessions: list[str] | None = None, progress: Any = None) -> list[SessionFile]:
+    """The session files of `record_dir` (or of the named `sessions` only, each once, in the order named)."""
+    if not record_dir.is_dir():
+        raise RecordError(f"{record_dir} is not a directory")
+    files: list[SessionFile] = []
+    if sessions:
+        for session_id in dict.fromkeys(sessions):
+            found = read_session(record_dir, session_id)
+            if found is None:
+                raise RecordError(f"no session {session_id!r} in {record_dir}")
+            files.append(found)
+            if progress is not None:
+                progress()
+        return files
+    for session_file in iter_session_files(record_dir):
+        files.append(session_file)
+        if progress is not None:
+            progress()
+    return files
 
 
 def export(
@@ -330,37 +424,16 @@ def export(
     *,
     file_type: str | None = None,
     sessions: list[str] | None = None,
-    calls: list[str] | None = None,
-) -> int:
-    """Write every segment of every episode under `record_dir` (or of the named `sessions` only; of `calls` only) to
-    `out`; returns the number of rows."""
+    options: ExportOptions = ExportOptions(),
+) -> Arrangement:
+    """Write every segment of every episode under `record_dir` (or of the named `sessions` only) to `out` as Parquet
+    or JSON Lines, grouped and sized as `options` asks; returns the arrangement (rows, groups, shared turns)."""
     layout, file_type = resolve_format(fmt, file_type)
-    if not record_dir.is_dir():
-        raise RecordError(f"{record_dir} is not a directory")
-    if sessions:
-        files: list[SessionFile] = []
-        for session_id in dict.fromkeys(sessions):
-            found = read_session(record_dir, session_id)
-            if found is None:
-                raise RecordError(f"no session {session_id!r} in {record_dir}")
-            files.append(found)
-            if progress is not None:
-                progress()
-    else:
-        files = []
-        for session_file in iter_session_files(record_dir):
-            files.append(session_file)
-            if progress is not None:
-                progress()
+    if file_type not in ROW_FILE_TYPES:
+        raise ValueError(f"export writes {', '.join(ROW_FILE_TYPES)}; slime's rollout files come from its writer")
     # An episode's segments may lie in several sessions: the rows are made from all of them together.
-    rows = rows_of(files, layout, calls)
-    if layout == "slime":
-        groups = {
-            session_file.turns[0].session_id: group for group, session_file in enumerate(files) if session_file.turns
-        }
-        for index, row in enumerate(rows):
-            row["group_index"], row["index"] = groups[row["session_id"]], index
+    rows, arrangement = rows_of(read_files(record_dir, sessions, progress), layout, options)
     data = encode_rows(rows, layout, file_type)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
-    return len(rows)
+    return arrangement

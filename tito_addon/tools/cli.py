@@ -3,8 +3,10 @@
 python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
 python -m tito_addon show RECORD_DIR|FILE [--session ID]... [--json]
                                                print recorded turns
-python -m tito_addon export RECORD_DIR OUT [--format generic|verl|slime] [--to parquet|jsonl] [--session ID]...
-                                               one row per branch, for trainers
+python -m tito_addon export RECORD_DIR OUT [--format generic|verl|slime|verl-dataset] [--to parquet|jsonl|pt]
+                                  [--session ID]... [--group-size N [--group-policy refuse|drop|pad]]
+                                  [--dedupe-shared-turns]
+                                               one row per segment, grouped, for trainers
 python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
 python -m tito_addon demo                      an end-to-end capture against the reference backend
 python -m tito_addon verify-template --tokenizer PATH [--family NAME] [--chat-template-kwargs JSON]
@@ -119,28 +121,57 @@ def show(argv: list[str]) -> int:
 def export_command(argv: list[str]) -> int:
     from rich.progress import Progress
 
-    from tito_addon.records.trainer_rows import FILE_TYPES, FORMATS, export, parse_calls, resolve_format
+    from tito_addon.records.rollout_groups import GROUP_POLICIES, GroupSizeError
+    from tito_addon.records.trainer_rows import (
+        FILE_TYPES,
+        FORMATS,
+        ExportOptions,
+        encode_rows,
+        parse_calls,
+        read_files,
+        resolve_format,
+        rows_of,
+    )
 
-    parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export branches for trainers.")
+    parser = argparse.ArgumentParser(prog="python -m tito_addon export", description="Export segments for trainers.")
     parser.add_argument("record_dir", type=Path)
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, help="the file to write (with --to pt: the folder of slime's rollout files)")
     parser.add_argument(
         "--format",
         choices=FORMATS,
         default="generic",
-        help="row layout: generic, verl or slime; parquet or jsonl: the generic layout in that file type",
+        help="row layout: generic, verl, slime or verl-dataset; parquet or jsonl: the generic layout in that file type",
     )
-    parser.add_argument("--to", choices=FILE_TYPES, help="file type (default: parquet)")
+    parser.add_argument("--to", choices=FILE_TYPES, help="file type (default: parquet; pt: slime's rollout files)")
     parser.add_argument("--session", action="append", metavar="ID", help="export only this session (repeatable)")
     parser.add_argument(
         "--calls",
         metavar="CALLS",
         help="only the segments of these calls, comma-separated, of: main, compaction, subagent, side (default: all)",
     )
+    parser.add_argument("--group-size", type=int, metavar="N", help="rows each group must have (n_samples_per_prompt)")
+    parser.add_argument(
+        "--group-policy",
+        choices=GROUP_POLICIES,
+        default="refuse",
+        help="a group of another size than --group-size: refuse the export (default), drop the group, or pad it",
+    )
+    parser.add_argument(
+        "--dedupe-shared-turns",
+        action="store_true",
+        help="a turn shared by several branches trains in its first row only (default: in every row holding it)",
+    )
+    parser.add_argument(
+        "--groups-per-file", type=int, metavar="K", help="--to pt: groups per rollout file (default: all)"
+    )
     args = parser.parse_args(argv)
     try:
         layout, file_type = resolve_format(args.format, args.to)
-        calls = parse_calls(args.calls)
+        options = ExportOptions(parse_calls(args.calls), args.group_size, args.group_policy, args.dedupe_shared_turns)
+        if args.group_size is not None and args.group_size < 1:
+            raise ValueError("--group-size must be at least 1")
+        if args.groups_per_file is not None and (file_type != "pt" or args.groups_per_file < 1):
+            raise ValueError("--groups-per-file takes a positive number, with --to pt")
     except ValueError as exc:
         parser.error(str(exc))
     try:
@@ -150,20 +181,45 @@ def export_command(argv: list[str]) -> int:
         else:
             sessions = len(session_parts(args.record_dir)) if args.record_dir.is_dir() else 0
         with Progress(transient=True) as progress:
-            task = progress.add_task("exporting sessions", total=sessions)
-            rows = export(
-                args.record_dir,
-                args.out,
-                layout,
-                lambda: progress.advance(task),
-                file_type=file_type,
-                sessions=args.session,
-                calls=calls,
-            )
-    except RecordError as exc:
+            task = progress.add_task("reading sessions", total=sessions)
+            files = read_files(args.record_dir, args.session, lambda: progress.advance(task))
+        rows, arrangement = rows_of(files, layout, options)
+        if file_type == "pt":
+            from tito_addon.trainers.slime_rollouts import SlimeRolloutError, write_rollout_files
+
+            try:
+                written = write_rollout_files(rows, args.out, groups_per_file=args.groups_per_file)
+            except ImportError as exc:
+                raise RecordError(
+                    f"slime's rollout files are written with torch ({exc}): export --format slime to Parquet, then "
+                    "run `python -m tito_addon.trainers.slime_rollouts ROWS OUT_DIR` in slime's environment"
+                ) from exc
+            except SlimeRolloutError as exc:
+                raise RecordError(str(exc)) from exc
+        else:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_bytes(encode_rows(rows, layout, file_type))
+    except (RecordError, GroupSizeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{rows} segments from {sessions} sessions written to {args.out} ({layout}, {file_type})")
+    summary = arrangement.summary()
+    sizes = sorted({g["rows"] + g["padded"] for g in summary["groups"] if g["group_index"] is not None})
+    unit = "groups" if layout == "verl-dataset" else "segments"
+    print(f"{len(rows)} {unit} from {sessions} sessions written to {args.out} ({layout}, {file_type})")
+    print(
+        f"{summary['episodes']} episodes in {len(summary['groups']) - summary['dropped_groups']} groups of "
+        f"{', '.join(map(str, sizes)) or '0'} rows"
+        + (f"; {summary['dropped_groups']} groups of another size left out" if summary["dropped_groups"] else "")
+    )
+    if file_type == "pt":
+        print(f"slime rollout files: {', '.join(path.name for path in written)}")
+    if summary["shared_turns"]:
+        how = (
+            "trained in their first row only"
+            if options.dedupe_shared_turns
+            else ("trained once per row holding them; --dedupe-shared-turns trains each once")
+        )
+        print(f"{summary['shared_turns']} sampled turns lie in more than one row: {how}")
     return 0
 
 
@@ -369,7 +425,10 @@ def demo_command(argv: list[str]) -> int:
 # name -> (one line for `--help`, the command)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "show": ("print recorded turns: a record dir, one record file, or --session ID", show),
-    "export": ("one row per branch for trainers: generic, verl or slime layout, parquet or jsonl", export_command),
+    "export": (
+        "one row per segment for trainers: generic, verl, slime or verl-dataset; parquet, jsonl or pt",
+        export_command,
+    ),
     "replay": ("serve a recording again with no backend: mitmdump answering from RECORD_DIR", replay_command),
     "redrive": ("score every recorded completion under a live backend: the logprob gap per turn", redrive_command),
     "audit": ("compare each branch with a stock re-render and classify every drift (JSON, HTML)", audit_command),

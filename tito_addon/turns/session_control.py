@@ -31,7 +31,15 @@ from tito_addon.records.record_reader import (
     session_parts,
     session_paths,
 )
-from tito_addon.records.trainer_rows import FILE_TYPES, LAYOUTS, encode_rows, parse_calls, session_rows
+from tito_addon.records.rollout_groups import GROUP_POLICIES, GroupSizeError
+from tito_addon.records.trainer_rows import (
+    LAYOUTS,
+    ROW_FILE_TYPES,
+    ExportOptions,
+    encode_rows,
+    parse_calls,
+    rows_of,
+)
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import SessionStatus
 from tito_addon.tito_errors import BadRequest, TitoError
@@ -42,8 +50,14 @@ logger = logging.getLogger(__name__)
 MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 600.0
 POLL_S = 0.02
-ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata", "scope"}
-CONTENT_TYPES = {"parquet": "application/vnd.apache.parquet", "jsonl": "application/jsonl"}
+ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata", "group", "scope"}
+ROWS_FIELDS = {"sessions", "format", "to", "calls", "group_size", "group_policy", "dedupe_shared_turns"}
+MAX_ROWS_SESSIONS = 100_000
+CONTENT_TYPES = {
+    "parquet": "application/vnd.apache.parquet",
+    "jsonl": "application/jsonl",
+    "summary": "application/json",
+}
 
 
 class NotFound(TitoError):
@@ -95,6 +109,8 @@ class SessionControl:
         except ValueError:
             raise BadRequest("too many query parameters") from None
         parts = split.path.split("/")
+        if split.path == "/v1/rows":
+            return self._method(method, "POST") or await self.rows_of_sessions(body)
         if len(parts) < 3 or parts[:3] != ["", "v1", "sessions"] or len(parts) > 5:
             raise NotFound(f"no control API route {split.path!r}")
         if len(body) > MAX_BODY:
@@ -206,29 +222,62 @@ class SessionControl:
         return state_of(await self.sessions().sessions.status(session_id))
 
     async def rows(self, session_id: str, query: dict[str, str]) -> HttpReply:
-        layout = query.get("format", "generic")
-        file_type = query.get("to", "jsonl")
-        if layout not in LAYOUTS:
-            raise BadRequest(f"unknown format {layout!r}; choose one of: {', '.join(LAYOUTS)}")
-        if file_type not in FILE_TYPES:
-            raise BadRequest(f"unknown file type {file_type!r}; choose one of: {', '.join(FILE_TYPES)}")
+        layout, file_type = rows_format(query.get("format", "generic"), query.get("to", "jsonl"))
         try:
-            calls = parse_calls(query.get("calls"))
+            options = ExportOptions(calls=parse_calls(query.get("calls")))
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         recorded = await self._recorded(session_id)
         if recorded is None or not recorded.turns:
             raise NotFound(f"session {session_id!r} has no recorded turns")
+        return await self._rows_reply([recorded], layout, file_type, options)
 
-        def encode() -> tuple[int, bytes]:
-            rows = session_rows(recorded, layout, calls)
-            return len(rows), encode_rows(rows, layout, file_type)
+    async def rows_of_sessions(self, body: bytes) -> HttpReply:
+        """`POST /v1/rows`: the rows of several sessions as one export (groups contiguous, numbered across them all),
+        or with `"to": "summary"` only what the export would hold: its groups and their sizes."""
+        obj = checked_body(body)
+        unknown = sorted(set(obj) - ROWS_FIELDS)
+        if unknown:
+            raise BadRequest(f"unknown field(s): {', '.join(unknown)}; allowed: {', '.join(sorted(ROWS_FIELDS))}")
+        sessions = obj.get("sessions")
+        if not isinstance(sessions, list) or not sessions or not all(isinstance(s, str) for s in sessions):
+            raise BadRequest("sessions must be a non-empty list of session ids")
+        if len(sessions) > MAX_ROWS_SESSIONS:
+            raise BadRequest(f"at most {MAX_ROWS_SESSIONS} sessions in one rows call")
+        for session_id in sessions:
+            problem = session_id_problem(session_id)
+            if problem is not None:
+                raise BadRequest(f"invalid session id {session_id[:80]!r}: {problem}")
+        layout, file_type = rows_format(obj.get("format", "generic"), obj.get("to", "jsonl"), summary=True)
+        options = rows_options(obj)
+        found = []
+        for session_id in dict.fromkeys(sessions):
+            recorded = await self._recorded(session_id)
+            if recorded is None or not recorded.turns:
+                raise NotFound(f"session {session_id!r} has no recorded turns")
+            found.append(recorded)
+        return await self._rows_reply(found, layout, file_type, options)
+
+    async def _rows_reply(
+        self, found: list[SessionFile], layout: str, file_type: str, options: ExportOptions
+    ) -> HttpReply:
+        def encode() -> tuple[dict[str, Any], bytes]:
+            rows, arrangement = rows_of(found, layout, options)
+            summary = arrangement.summary()
+            return summary, (dumps(summary) if file_type == "summary" else encode_rows(rows, layout, file_type))
 
         try:
-            count, data = await asyncio.to_thread(encode)
+            summary, data = await asyncio.to_thread(encode)
+        except GroupSizeError as exc:
+            raise TitoError(str(exc), status=409) from exc
         except RecordError as exc:
-            raise TitoError(f"cannot read the record of session {session_id!r}: {exc}", status=409) from exc
-        return HttpReply(200, {"content-type": CONTENT_TYPES[file_type], "x-tito-rows": str(count)}, data)
+            raise TitoError(f"cannot read the records: {exc}", status=409) from exc
+        headers = {
+            "content-type": CONTENT_TYPES[file_type],
+            "x-tito-rows": str(summary["rows"]),
+            "x-tito-groups": str(len(summary["groups"]) - summary["dropped_groups"]),
+        }
+        return HttpReply(200, headers, data)
 
     # -- writing ------------------------------------------------------------------------------------------------
 
@@ -237,7 +286,7 @@ class SessionControl:
         unknown = sorted(set(obj) - ANNOTATION_FIELDS)
         if unknown:
             raise BadRequest(f"unknown annotation field(s): {', '.join(unknown)}; allowed: turn_id, reward, labels, "
-                             "metadata, scope")  # fmt: skip
+                             "metadata, group, scope")  # fmt: skip
         reward, turn_id, metadata = obj.get("reward"), obj.get("turn_id"), obj.get("metadata")
         if reward is not None and not finite_number(reward):
             raise BadRequest("reward must be a finite number")
@@ -312,6 +361,36 @@ class SessionControl:
             if time.monotonic() >= deadline:
                 raise busy(session_id)
             await asyncio.sleep(POLL_S)
+
+
+def rows_format(layout: Any, file_type: Any, *, summary: bool = False) -> tuple[str, str]:
+    if layout not in LAYOUTS:
+        raise BadRequest(f"unknown format {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+    types = ROW_FILE_TYPES + (("summary",) if summary else ())
+    if file_type not in types:
+        raise BadRequest(f"unknown file type {file_type!r}; choose one of: {', '.join(types)}")
+    return layout, file_type
+
+
+def rows_options(obj: dict[str, Any]) -> ExportOptions:
+    """The grouping a rows call asks: `calls` (a list or a comma-separated string), `group_size`, `group_policy`,
+    `dedupe_shared_turns`."""
+    calls = obj.get("calls")
+    if isinstance(calls, list) and all(isinstance(c, str) for c in calls):
+        calls = ",".join(calls)
+    if calls is not None and not isinstance(calls, str):
+        raise BadRequest("calls must be a list of call names or a comma-separated string")
+    size, policy, dedupe = obj.get("group_size"), obj.get("group_policy", "refuse"), obj.get("dedupe_shared_turns")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1_000_000):
+        raise BadRequest("group_size must be an integer from 1 to 1000000")
+    if policy not in GROUP_POLICIES:
+        raise BadRequest(f"group_policy must be one of: {', '.join(GROUP_POLICIES)}")
+    if dedupe is not None and not isinstance(dedupe, bool):
+        raise BadRequest("dedupe_shared_turns must be true or false")
+    try:
+        return ExportOptions(parse_calls(calls), size, policy, bool(dedupe))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
 
 
 def state_of(status: SessionStatus) -> dict[str, Any]:

@@ -1,0 +1,209 @@
+"""How an export's rows are grouped, numbered and sized for a trainer's advantage estimator.
+
+GRPO-style estimators compare the samples of one prompt: verl groups rows by `uid`, slime by position (each group
+contiguous and `n_samples_per_prompt` long). So every row carries its episode's **group**:
+- the driver's, when it gave one (an annotation's `group`: the task the episode was a sample of);
+- otherwise found from the episode's first request: `auto-` and a digest of its prompt ids, model, tokenizer and
+  template. Id-less GRPO siblings send identical first requests, so they share a group; an edited history or another
+  template is another prompt, so another group.
+
+Rows are ordered group by group (in the order each group first appears), each group's episodes in their order,
+each episode's segments in theirs; `group_index`, `rollout_id` (the episode: slime counts the rollout once in its
+loss however many rows it split into) and `index` number groups, episodes and rows across the whole export.
+
+With a group size N (`n_samples_per_prompt`, counted in rows, as the trainers count them) a group of another size
+is refused (`refuse`, the default), left out (`drop`), or, if smaller, padded to N (`pad`) with copies of its own
+rows that train nothing (mask all 0, slime's `remove_sample`) and carry the group's mean reward, so the group's mean
+is unchanged (its spread shrinks: N - 1 in the denominator, not n - 1).
+
+Branches that share early turns (a tree, several samples from one point) carry those turns' sampled tokens in
+each of their rows, so a trainer trains them once per branch. The arrangement counts such turns; with
+`dedupe_shared_turns` a shared turn stays in the mask of its first row only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tito_addon.records.record_models import CALLS
+from tito_addon.records.record_reader import RecordError
+from tito_addon.records.segment_branches import Branch
+
+GROUP_POLICIES = ("refuse", "drop", "pad")
+AUTO_PREFIX = "auto-"
+
+
+class GroupSizeError(RecordError):
+    """Groups that do not have the asked size, under the `refuse` policy (or too big or unscored to pad)."""
+
+
+@dataclass(frozen=True)
+class PlacedRow:
+    branch: Branch
+    group: str
+    group_index: int
+    rollout_id: int
+    index: int
+    padded: bool = False
+
+
+@dataclass
+class GroupReport:
+    group: str
+    episodes: int
+    rows: int  # its episodes' rows, padding not counted
+    group_index: int | None = None  # None: left out
+    padded: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Arrangement:
+    rows: list[PlacedRow]
+    groups: list[GroupReport]
+    shared_turns: int = 0  # sampled turns that lie in more than one row's mask before any dedupe
+    deduped: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        kept = [g for g in self.groups if g.group_index is not None]
+        return {
+            "rows": len(self.rows),
+            "episodes": len({row.rollout_id for row in self.rows}),
+            "groups": [g.as_json() for g in self.groups],
+            "dropped_groups": len(self.groups) - len(kept),
+            "shared_turns": self.shared_turns,
+            "deduped_shared_turns": self.deduped,
+        }
+
+
+@dataclass
+class _Group:
+    key: str
+    episodes: dict[str, list[Branch]] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> list[Branch]:
+        return [branch for branches in self.episodes.values() for branch in branches]
+
+
+def auto_group(first: Branch) -> str:
+    """The group of an episode no driver named: a digest of its first request as the model saw it."""
+    turn = first.path[0]
+    digest = hashlib.sha256()
+    head = [turn.model, turn.tokenizer.tokenizer_sha256, turn.tokenizer.template_sha256]
+    digest.update(json.dumps(head).encode())
+    digest.update(b"\0" + ",".join(map(str, first.ids[: first.prompt_len])).encode())
+    return AUTO_PREFIX + digest.hexdigest()[:16]
+
+
+def arrange(
+    branches: Iterable[Branch],
+    *,
+    calls: Iterable[str] | None = None,
+    group_size: int | None = None,
+    policy: str = "refuse",
+    dedupe_shared_turns: bool = False,
+) -> Arrangement:
+    """The rows of `branches` (every segment of their episodes; those of `calls` are kept) grouped, sized and
+    numbered for a trainer."""
+    if policy not in GROUP_POLICIES:
+        raise ValueError(f"unknown group policy {policy!r}; choose one of: {', '.join(GROUP_POLICIES)}")
+    if group_size is not None and group_size < 1:
+        raise ValueError("the group size must be at least 1")
+    wanted = set(CALLS if calls is None else calls)
+    by_episode: dict[str, list[Branch]] = {}
+    for branch in branches:
+        by_episode.setdefault(branch.episode, []).append(branch)
+    groups: dict[str, _Group] = {}
+    for episode, found in by_episode.items():
+        first = min(found, key=lambda b: b.segment)
+        key = first.notes.group if first.notes.group is not None else auto_group(first)
+        kept = [branch for branch in found if branch.call in wanted]
+        if kept:
+            groups.setdefault(key, _Group(key)).episodes[episode] = kept
+    reports: list[GroupReport] = []
+    rows: list[PlacedRow] = []
+    next_rollout = 0
+    for group in groups.values():
+        real = group.rows
+        report = GroupReport(group.key, len(group.episodes), len(real))
+        reports.append(report)
+        padding = _padding(group, report, group_size, policy)
+        if padding is None:
+            continue
+        report.group_index = sum(1 for r in reports if r.group_index is not None)
+        rollout_ids: dict[str, int] = {}
+        for branch in real:
+            if branch.episode not in rollout_ids:
+                rollout_ids[branch.episode], next_rollout = next_rollout, next_rollout + 1
+            rollout_id = rollout_ids[branch.episode]
+            rows.append(PlacedRow(branch, group.key, report.group_index, rollout_id, len(rows)))
+        for copied in padding:
+            rollout_id = rollout_ids[copied.episode]  # a padding row adds nothing to its rollout's mask
+            rows.append(PlacedRow(copied, group.key, report.group_index, rollout_id, len(rows), padded=True))
+    arrangement = Arrangement(rows, reports, shared_turns=len(_shared(rows)))
+    if dedupe_shared_turns:
+        _dedupe(arrangement)
+    return arrangement
+
+
+def _padding(group: _Group, report: GroupReport, size: int | None, policy: str) -> list[Branch] | None:
+    """The padding rows the group gets ([] when it has the size), or None when it is left out."""
+    real = group.rows
+    if size is None or len(real) == size:
+        return []
+    if policy == "drop":
+        return None
+    if policy == "refuse" or len(real) > size:
+        why = "more" if len(real) > size else "fewer"
+        raise GroupSizeError(
+            f"group {group.key!r} has {len(real)} rows ({len(group.episodes)} episodes), {why} than the group size "
+            f"{size}; --group-policy drop leaves such groups out"
+            + (", pad fills smaller ones" if why == "fewer" else "")
+        )
+    rewards = [branch.notes.reward for branch in real]
+    if any(reward is None for reward in rewards):
+        raise GroupSizeError(f"group {group.key!r} cannot be padded: a row of it has no reward")
+    mean = sum(r for r in rewards if r is not None) / len(rewards)
+    out = []
+    for k in range(size - len(real)):
+        copied = real[k % len(real)].without_mask()
+        notes = dataclasses.replace(copied.notes, reward=mean)
+        out.append(dataclasses.replace(copied, notes=notes))
+    report.padded = len(out)
+    return out
+
+
+def _shared(rows: list[PlacedRow]) -> set[tuple[int, int]]:
+    """Turns with sampled tokens that lie in more than one real row."""
+    seen: set[tuple[int, int]] = set()
+    shared: set[tuple[int, int]] = set()
+    for row in rows:
+        if row.padded:
+            continue
+        for key, turn in zip(row.branch.turn_keys(), row.branch.path, strict=True):
+            if not turn.completion_ids:
+                continue
+            (shared if key in seen else seen).add(key)
+    return shared
+
+
+def _dedupe(arrangement: Arrangement) -> None:
+    """Each shared turn trains in its first row only."""
+    claimed: set[tuple[int, int]] = set()
+    for position, row in enumerate(arrangement.rows):
+        if row.padded:
+            continue
+        keys = row.branch.turn_keys()
+        again = {turn.turn_id for key, turn in zip(keys, row.branch.path, strict=True) if key in claimed}
+        claimed.update(keys)
+        if again:
+            arrangement.rows[position] = dataclasses.replace(row, branch=row.branch.masked_turns(again))
+    arrangement.deduped = True

@@ -1,0 +1,86 @@
+"""Segments as token sequences: what every trainer layout is cut from.
+
+A segment's row is its leaf turn's prompt + completion exactly as recorded, with a mask that is 1 exactly on the
+tokens the model sampled in each turn of the segment and the sampled tokens' log-probs at their positions (0
+elsewhere). Branches that share early turns carry those turns' sampled tokens each; `masked_turns` takes a turn's
+tokens out of the mask of one row (`records/rollout_groups`'s `--dedupe-shared-turns`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from tito_addon.records.episode_segments import Segment, SegmentNotes, episode_segments
+from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.record_reader import SessionFile
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One segment as a row: its full ids, where the model sampled, and what the annotations say of it."""
+
+    path: list[TurnRecord]
+    ids: list[int]  # the leaf's prompt + completion
+    mask: list[int]  # 1 on every sampled token of every turn of the segment
+    logprobs: list[float]  # the sampled tokens' logprobs at their positions, 0 elsewhere
+    messages: list[dict[str, Any]] | None  # None when the session was recorded without message text
+    notes: SegmentNotes
+    episode: str
+    segment: int
+    session_key: int = 0  # which session file the turns are in (turn ids are unique only within one)
+
+    @property
+    def prompt_len(self) -> int:
+        """The first turn's prompt: the part no turn of the segment sampled or appended."""
+        return self.path[0].prompt_len
+
+    @property
+    def call(self) -> str:
+        return self.path[0].call
+
+    def turn_keys(self) -> list[tuple[int, int]]:
+        """Each turn of the branch as (session file, turn id): the same turn in another branch has the same key."""
+        return [(self.session_key, turn.turn_id) for turn in self.path]
+
+    def masked_turns(self, turn_ids: set[int]) -> Branch:
+        """This branch with the sampled tokens of `turn_ids` out of its mask (their log-probs stay)."""
+        mask = list(self.mask)
+        for turn in self.path:
+            if turn.turn_id in turn_ids:
+                start = turn.prompt_len
+                mask[start : start + len(turn.completion_ids)] = [0] * len(turn.completion_ids)
+        return dataclasses.replace(self, mask=mask)
+
+    def without_mask(self) -> Branch:
+        """A copy that trains nothing (a group's padding row)."""
+        return dataclasses.replace(self, mask=[0] * len(self.mask))
+
+
+def branch_of(segment: Segment, ids: dict[int, tuple[list[int], list[int]]]) -> Branch:
+    path = segment.path
+    prompt, completion = ids[path[-1].turn_id]
+    sequence = prompt + completion
+    mask = [0] * len(sequence)
+    logprobs = [0.0] * len(sequence)
+    messages: list[dict[str, Any]] | None = []
+    for turn in path:
+        start = turn.prompt_len  # the turn's completion follows its prompt in every descendant's sequence
+        for offset, value in enumerate(turn.completion_logprobs):
+            mask[start + offset] = 1
+            logprobs[start + offset] = value
+        if messages is not None and turn.appended_messages is not None:
+            messages += turn.appended_messages + [turn.assistant_message]
+        else:
+            messages = None
+    return Branch(
+        path, sequence, mask, logprobs, messages, segment.notes, segment.episode, segment.index, id(segment.session)
+    )
+
+
+def branches(files: list[SessionFile]) -> list[Branch]:
+    """Every segment of every episode of `files`, episode by episode, each numbered within its episode."""
+    # Rebuilt first: that proves every parent recorded, before segments walk up to them.
+    full = {id(session_file): session_file.full_ids() for session_file in files}
+    return [branch_of(segment, full[id(segment.session)]) for segment in episode_segments(files)]
