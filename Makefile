@@ -10,7 +10,7 @@ WORKERS ?= auto
 PARALLEL := -n $(WORKERS) --dist loadfile
 REPORT := --durations=25
 
-.PHONY: venv agent-clis demo test test-all test-e2e clean
+.PHONY: venv agent-clis demo test test-all test-e2e test-trainers clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,11 @@ test-all: $(STAMP)
 test-e2e: $(STAMP)
 	bash scripts/setup_vllm_cpu.sh
 	$(PY) -m pytest -m e2e $(REPORT)
+
+# The trainer tier alone: a Python 3.11 venv with verl and the CPU torch (scripts/setup_trainers.sh), then its tests.
+test-trainers: $(STAMP)
+	bash scripts/setup_trainers.sh
+	$(PY) -m pytest -m trainers $(REPORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,5 +1,6 @@
-"""A rollout driver: N concurrent episodes of an unmodified agent through a tito proxy, each scored by a rule, their
-token-exact rows fetched from the proxy's control API and written to one Parquet file a trainer loads.
+"""A rollout driver: N samples of each task, run as concurrent episodes of an unmodified agent through a tito proxy,
+each scored by a rule and given its task as its GRPO group; the token-exact rows of all of them fetched from the
+proxy's control API as one export (each group's rows together) and written to one Parquet file a trainer loads.
 
 The agent is never changed; each episode is named by the settings the driver gives it:
 - `--agent openai` (examples/weather_agent.py, openai-python): the proxy in regular mode, the episode as the proxy's
@@ -11,18 +12,20 @@ The agent is never changed; each episode is named by the settings the driver giv
 Start the proxy (`tito_control_token` on), then for example:
 
     python examples/rollout_driver.py --proxy http://127.0.0.1:8080 --token $TITO_CONTROL_TOKEN \
-        --base-url http://127.0.0.1:30000/v1 --episodes 64 --concurrency 16 --out rollouts.parquet --format verl
+        --base-url http://127.0.0.1:30000/v1 --tasks 4 --samples 8 --concurrency 16 --out rollouts.parquet --format verl
 
-Per episode: run the agent, wait until the proxy has no turn of it in flight, score it, attach the score
-(`annotations`: reward, labels, metadata), close the episode, fetch its rows as Parquet. The rows of all episodes
-become one file: `datasets.Dataset.from_parquet(OUT)` or `pyarrow.parquet.read_table(OUT)`.
+Per episode: run the agent, wait until the proxy has no turn of it in flight, score it, attach the score and its
+task's group (`annotations`: reward, labels, metadata, group), close the episode. Then one rows call for every
+episode: groups contiguous, `uid`/`group_index` the task, `rollout_id` the episode, `index` the row, each group
+`--samples` rows long (a group that lost an episode is left out and said so). The file loads as it is:
+`datasets.Dataset.from_parquet(OUT)`, `tito_addon.trainers.verl_batch.verl_batch(OUT)` (verl layout), or
+`python -m tito_addon.trainers.slime_rollouts OUT DIR` (slime layout).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import shlex
@@ -31,9 +34,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from tito_addon.client import AsyncTitoClient, episode_api_key, episode_proxy_url
 
@@ -45,6 +45,7 @@ TASKS = ["What's the weather in Paris?", "Is it warm in Lima today?", "Weather i
 class Episode:
     name: str
     task: str
+    group: str
     returncode: int = -1
     outcome: dict[str, Any] | None = None
     stderr: str = ""
@@ -104,7 +105,7 @@ def claude_outcome(stdout: str) -> dict[str, Any] | None:
     return {"finish_reason": finish, "answer": final.get("result"), "tool_calls": tool_calls, "tool_errors": 0}
 
 
-async def run_episode(args: argparse.Namespace, tito: AsyncTitoClient, episode: Episode) -> pa.Table:
+async def run_episode(args: argparse.Namespace, tito: AsyncTitoClient, episode: Episode) -> None:
     with tempfile.TemporaryDirectory(prefix=f"{episode.name}-") as scratch:
         argv, env = agent_command(args, episode, Path(scratch))
         process = await asyncio.create_subprocess_exec(
@@ -123,30 +124,36 @@ async def run_episode(args: argparse.Namespace, tito: AsyncTitoClient, episode: 
     if not await tito.wait_idle(episode.name, timeout_s=args.agent_timeout):
         raise RuntimeError(f"{episode.name}: a turn is still in flight")
     reward, labels = score(episode)
-    await tito.annotate(
-        episode.name, reward=reward, labels=labels, metadata={"task": episode.task, **(episode.outcome or {})}
-    )
+    metadata = {"task": episode.task, **(episode.outcome or {})}
+    await tito.annotate(episode.name, reward=reward, labels=labels, metadata=metadata, group=episode.group)
     await tito.close(episode.name)
-    # One episode's rows are small: read them on this thread. pq.read_table goes through Arrow's dataset scanner,
-    # whose pool threads can still be joinable when the interpreter exits, and that aborts the process (SIGABRT,
-    # "terminate called without an active exception") after every row was written.
-    parquet = pq.ParquetFile(io.BytesIO(await tito.rows_parquet(episode.name, format=args.format)))
-    return parquet.read(use_threads=False)
 
 
-async def drive(args: argparse.Namespace) -> list[Episode]:
-    episodes = [Episode(f"{args.prefix}-{i:04d}", TASKS[i % len(TASKS)]) for i in range(args.episodes)]
+async def drive(args: argparse.Namespace) -> tuple[list[Episode], dict[str, Any]]:
+    episodes = [
+        Episode(f"{args.prefix}-{task * args.samples + k:04d}", TASKS[task % len(TASKS)], f"task-{task}")
+        for task in range(args.tasks)
+        for k in range(args.samples)
+    ]
     gate = asyncio.Semaphore(args.concurrency)
     async with AsyncTitoClient(args.control_proxy or args.proxy, args.token) as tito:
 
-        async def one(episode: Episode) -> pa.Table:
+        async def one(episode: Episode) -> None:
             async with gate:
-                return await run_episode(args, tito, episode)
+                await run_episode(args, tito, episode)
 
-        tables = await asyncio.gather(*(one(e) for e in episodes))
+        await asyncio.gather(*(one(e) for e in episodes))
+        # One export of every episode: rows of a group together, numbered across all of them. An episode that
+        # crashed before its first turn has no rows: its group is short and left out rather than trained unequal.
+        names = [e.name for e in episodes]
+        # An episode may have several segments (a compaction, a sub-agent): a group's size is counted in rows.
+        size = args.samples if args.group_size is None else (args.group_size or None)
+        options = {"format": args.format, "group_size": size, "group_policy": args.group_policy}
+        summary = await tito.export_rows(names, to="summary", **options)
+        data = await tito.export_rows(names, to="parquet", **options)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.concat_tables(tables), args.out)
-    return episodes
+    args.out.write_bytes(data)
+    return episodes, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,24 +168,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claude", default="claude", help="claude-code: the CLI to run")
     parser.add_argument("--control-proxy", help="where the control API is, if not --proxy (any port of the proxy)")
     parser.add_argument("--launcher", default="", help="an argv prefix for the agent, e.g. 'nsenter --net=PATH'")
-    parser.add_argument("--episodes", type=int, default=8)
+    parser.add_argument("--tasks", type=int, default=4, help="tasks (each its own GRPO group)")
+    parser.add_argument("--samples", type=int, default=2, help="episodes per task (n_samples_per_prompt)")
+    parser.add_argument("--group-size", type=int, help="rows each group must have (default: --samples; 0: any)")
+    parser.add_argument("--group-policy", choices=("refuse", "drop", "pad"), default="drop")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--agent-timeout", type=float, default=300.0)
     parser.add_argument("--prefix", default="episode", help="episode names: PREFIX-0000, PREFIX-0001, …")
-    parser.add_argument("--format", choices=("generic", "verl", "slime"), default="generic")
+    parser.add_argument("--format", choices=("generic", "verl", "slime", "verl-dataset"), default="generic")
     parser.add_argument("--out", type=Path, default=Path("rollouts.parquet"))
     args = parser.parse_args(argv)
     if not args.token:
         parser.error("--token (or $TITO_CONTROL_TOKEN) is required")
     if args.agent == "openai" and not args.base_url:
         parser.error("--base-url is required with --agent openai")
-    episodes = asyncio.run(drive(args))
+    episodes, summary = asyncio.run(drive(args))
     rewards = [score(e)[0] for e in episodes]
     failed = [e for e in episodes if e.returncode != 0]
     for episode in failed:
         print(f"{episode.name}: exit {episode.returncode}: {episode.stderr.strip()[-300:]}", file=sys.stderr)
-    print(f"{len(episodes)} episodes, mean reward {sum(rewards) / len(rewards):.3f}, rows in {args.out}")
+    kept = [g for g in summary["groups"] if g["group_index"] is not None]
+    print(f"{len(episodes)} episodes, mean reward {sum(rewards) / len(rewards):.3f}, {summary['rows']} rows in "
+          f"{len(kept)} groups in {args.out}; {summary['dropped_groups']} groups left out")  # fmt: skip
     return 1 if failed else 0
 
 

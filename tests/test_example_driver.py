@@ -1,6 +1,7 @@
-"""The example rollout driver (examples/rollout_driver.py) at small scale: 8 concurrent episodes of an unmodified
-openai-python agent through a real mitmdump in regular mode, named by proxy auth, scored, closed, and their rows
-written to one Parquet file that `datasets` loads; every row is the episode's recorded ids, exactly."""
+"""The example rollout driver (examples/rollout_driver.py) at small scale: 4 tasks x 2 samples, 8 concurrent episodes
+of an unmodified openai-python agent through a real mitmdump in regular mode, named by proxy auth, scored, grouped by
+task, closed, and their rows written by one rows call to one Parquet file that `datasets` loads; every row is the
+episode's recorded ids, exactly, and each task's rows are one group, together, numbered across the file."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 TOKEN = "driver-token-0123456789abcdef"
-EPISODES = 8
+TASKS, SAMPLES = 4, 2
+EPISODES = TASKS * SAMPLES
 
 
 def test_the_example_driver_writes_one_trainer_file(tmp_path: Path) -> None:
@@ -36,19 +38,24 @@ def test_the_example_driver_writes_one_trainer_file(tmp_path: Path) -> None:
         driver = subprocess.run(
             [
                 sys.executable, str(REPO / "examples" / "rollout_driver.py"), "--proxy", proxy.url, "--token", TOKEN,
-                "--base-url", replica.url + "/v1", "--episodes", str(EPISODES), "--concurrency", "4",
+                "--base-url", replica.url + "/v1", "--tasks", str(TASKS), "--samples", str(SAMPLES), "--concurrency", "4",
                 "--prefix", "ep", "--out", str(out),
             ],
             cwd=tmp_path, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert driver.returncode == 0, driver.stderr[-3000:]
         generated = {tuple(g["completion_ids"]) for g in replica.generated()}
-    assert f"{EPISODES} episodes" in driver.stdout
+    assert f"{EPISODES} episodes" in driver.stdout and f"{EPISODES} rows in {TASKS} groups" in driver.stdout
 
     rows = datasets.Dataset.from_parquet(str(out)).to_list()
     sessions = {f.turns[0].session_id: f for f in iter_session_files(record_dir)}
     assert sorted(sessions) == [f"ep-{i:04d}" for i in range(EPISODES)], "one session per episode, by its name"
     assert sorted(row["session_id"] for row in rows) == sorted(sessions), "one branch per episode"
+    # One rows call for all episodes: each task a group of SAMPLES rows, together, numbered across the file.
+    assert [row["session_id"] for row in rows] == [f"ep-{i:04d}" for i in range(EPISODES)]
+    assert [row["group"] for row in rows] == [f"task-{i // SAMPLES}" for i in range(EPISODES)]
+    assert [row["group_index"] for row in rows] == [i // SAMPLES for i in range(EPISODES)]
+    assert [row["rollout_id"] for row in rows] == [row["index"] for row in rows] == list(range(EPISODES))
     for row in rows:
         recorded = sessions[row["session_id"]]
         assert [c.reason for c in recorded.closes] == ["closed"], "the driver closed every episode"

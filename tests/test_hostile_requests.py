@@ -718,6 +718,14 @@ def test_control_api_answers_the_token_holder(control) -> None:
     code, headers, rows = control_request(control.proxy.port, b"GET", ANCHOR_PATH + b"/rows?format=verl&to=jsonl")
     assert code == 200 and headers["x-tito-rows"] == "1" and len(rows.splitlines()) == 1
     assert control_ok(control, b"GET", ANCHOR_PATH + b"/wait?timeout=0")["idle"] is True
+    both = json.dumps({"sessions": [CONTROL_ANCHOR, SLASHED], "format": "slime", "to": "summary"}).encode()
+    summary = control_ok(control, b"POST", b"/v1/rows", both)
+    # Both sessions sent the same first request: id-less siblings, one automatic group of two.
+    assert (summary["rows"], summary["episodes"], len(summary["groups"])) == (2, 2, 1)
+    assert summary["groups"][0]["group"].startswith("auto-") and summary["groups"][0]["rows"] == 2
+    code, headers, rows = control_request(control.proxy.port, b"POST", b"/v1/rows", both.replace(b"summary", b"jsonl"))
+    assert code == 200 and headers["x-tito-rows"] == "2" and headers["x-tito-groups"] == "1"
+    assert [json.loads(line)["rollout_id"] for line in rows.splitlines()] == [0, 1]
     assert control.changes() == []
 
 
@@ -746,7 +754,7 @@ BAD_AUTH: dict[str, list[tuple[bytes, bytes]]] = {
     "not_utf8": [(b"Authorization", b"Bearer " + CONTROL_TOKEN.encode()[:-1] + b"\xff")],
 }
 AUTH_TARGETS = [
-    (b"GET", b"/v1/sessions"), (b"GET", ANCHOR_PATH), (b"GET", ANCHOR_PATH + b"/rows?format=slime&to=parquet"),
+    (b"POST", b"/v1/rows"), (b"GET", b"/v1/sessions"), (b"GET", ANCHOR_PATH), (b"GET", ANCHOR_PATH + b"/rows?format=slime&to=parquet"),
     (b"POST", ANCHOR_PATH + b"/annotations"), (b"POST", ANCHOR_PATH + b"/close"), (b"GET", ANCHOR_PATH + b"/wait"),
     (b"POST", ANCHOR_PATH + b"/wait?timeout=0"), (b"GET", b"/nothing/here"), (b"DELETE", ANCHOR_PATH),
     (b"GET", sid_path("../../etc/passwd")), (b"GET", b"/v1/sessions/%ff/rows"),
@@ -891,7 +899,54 @@ ANNOTATION_BODIES: list = [
     pytest.param(b'{"turn_id": -1, "reward": 1}', 404, id="turn-id-negative"),
     pytest.param(b'{"turn_id": 1' + b"0" * 30 + b', "reward": 1}', 404, id="turn-id-huge"),
     pytest.param(b'{"turn_id": 1' + b"0" * 400 + b', "reward": 1}', 404, id="turn-id-400-digits"),
+    # groups
+    pytest.param(b'{"group": 7}', 400, id="group-int"),
+    pytest.param(b'{"group": ""}', 400, id="group-empty"),
+    pytest.param(b'{"group": ["a"]}', 400, id="group-list"),
+    pytest.param(b'{"group": {"task": 1}}', 400, id="group-object"),
+    pytest.param(b'{"group": true}', 400, id="group-bool"),
+    pytest.param(json.dumps({"group": "g" * 257}).encode(), 400, id="group-257-chars"),
+    pytest.param(b'{"group": "\\ud800"}', 400, id="group-lone-surrogate"),
+    pytest.param(b'{"turn_id": 0, "group": "g", "scope": "segment"}', 400, id="group-scoped-to-a-segment"),
+    pytest.param(b'{"group": null}', 400, id="group-null-alone"),
 ]  # fmt: skip
+
+ROWS_BODIES: list = [
+    pytest.param(b"not json", 400, id="not-json"),
+    pytest.param(b"[]", 400, id="array"),
+    pytest.param(b"{}", 400, id="no-sessions"),
+    pytest.param(b'{"sessions": []}', 400, id="sessions-empty"),
+    pytest.param(b'{"sessions": "control-anchor"}', 400, id="sessions-string"),
+    pytest.param(b'{"sessions": [1]}', 400, id="sessions-int"),
+    pytest.param(b'{"sessions": ["../../etc/passwd"]}', 400, id="sessions-traversal"),
+    pytest.param(b'{"sessions": ["a\\u0000b"]}', 400, id="sessions-nul"),
+    pytest.param(b'{"sessions": ["no-such-session"]}', 404, id="sessions-unknown"),
+    pytest.param(b'{"sessions": ["control-anchor", "no-such-session"]}', 404, id="sessions-one-unknown"),
+    pytest.param(b'{"sessions": ["control-anchor"], "format": "torch"}', 400, id="format-unknown"),
+    pytest.param(b'{"sessions": ["control-anchor"], "to": "pt"}', 400, id="to-pt"),
+    pytest.param(b'{"sessions": ["control-anchor"], "to": "../x"}', 400, id="to-path"),
+    pytest.param(b'{"sessions": ["control-anchor"], "calls": "main,nope"}', 400, id="calls-unknown"),
+    pytest.param(b'{"sessions": ["control-anchor"], "calls": 3}', 400, id="calls-int"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": 0}', 400, id="group-size-0"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": -2}', 400, id="group-size-negative"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": 2.5}', 400, id="group-size-float"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": true}', 400, id="group-size-bool"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": 1e400}', 400, id="group-size-1e400"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": 1' + b"0" * 400 + b"}", 400, id="group-size-huge"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_policy": "fill"}', 400, id="group-policy-unknown"),
+    pytest.param(b'{"sessions": ["control-anchor"], "dedupe_shared_turns": "yes"}', 400, id="dedupe-string"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": 2}', 409, id="group-too-small-refused"),
+    pytest.param(b'{"sessions": ["control-anchor"], "group_size": 2, "group_policy": "pad"}', 409,
+                 id="pad-without-reward"),
+    pytest.param(b'{"sessions": ["control-anchor"], "session_id": "x"}', 400, id="field-unknown"),
+    pytest.param(b'{"sessions": ["control-anchor"], "sessions": ["team/run-1"]}', 400, id="duplicate-sessions"),
+    pytest.param(b'{"sessions": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, id="sessions-deep"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status"), ROWS_BODIES)
+def test_control_refuses_malformed_rows_calls(control, body, status) -> None:
+    check_control_refused(control, b"POST", b"/v1/rows", status, body)
 
 
 @pytest.mark.parametrize(("body", "status"), ANNOTATION_BODIES)
