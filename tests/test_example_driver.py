@@ -38,8 +38,8 @@ def test_the_example_driver_writes_one_trainer_file(tmp_path: Path) -> None:
         driver = subprocess.run(
             [
                 sys.executable, str(REPO / "examples" / "rollout_driver.py"), "--proxy", proxy.url, "--token", TOKEN,
-                "--base-url", replica.url + "/v1", "--tasks", str(TASKS), "--samples", str(SAMPLES), "--concurrency", "4",
-                "--prefix", "ep", "--out", str(out),
+                "--base-url", replica.url + "/v1", "--tasks", str(TASKS), "--samples", str(SAMPLES),
+                "--concurrency", "4", "--prefix", "ep", "--out", str(out),
             ],
             cwd=tmp_path, capture_output=True, text=True, timeout=600,
         )  # fmt: skip

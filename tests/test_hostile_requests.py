@@ -754,10 +754,10 @@ BAD_AUTH: dict[str, list[tuple[bytes, bytes]]] = {
     "not_utf8": [(b"Authorization", b"Bearer " + CONTROL_TOKEN.encode()[:-1] + b"\xff")],
 }
 AUTH_TARGETS = [
-    (b"POST", b"/v1/rows"), (b"GET", b"/v1/sessions"), (b"GET", ANCHOR_PATH), (b"GET", ANCHOR_PATH + b"/rows?format=slime&to=parquet"),
+    (b"GET", b"/v1/sessions"), (b"GET", ANCHOR_PATH), (b"GET", ANCHOR_PATH + b"/rows?format=slime&to=parquet"),
     (b"POST", ANCHOR_PATH + b"/annotations"), (b"POST", ANCHOR_PATH + b"/close"), (b"GET", ANCHOR_PATH + b"/wait"),
     (b"POST", ANCHOR_PATH + b"/wait?timeout=0"), (b"GET", b"/nothing/here"), (b"DELETE", ANCHOR_PATH),
-    (b"GET", sid_path("../../etc/passwd")), (b"GET", b"/v1/sessions/%ff/rows"),
+    (b"GET", sid_path("../../etc/passwd")), (b"GET", b"/v1/sessions/%ff/rows"), (b"POST", b"/v1/rows"),
 ]  # fmt: skip
 
 

@@ -162,12 +162,12 @@ def test_a_group_of_another_size_is_refused_dropped_or_padded(record_dir: Path, 
     with pytest.raises(GroupSizeError, match="cannot be padded: a row of it has no reward"):
         rows_of(files_of(record_dir, ["d0"]), "verl", ExportOptions(group_size=2, group_policy="pad"))
     # The export command says the same, and writes nothing when it refuses.
-    refused = run_export(record_dir, tmp_path / "r.parquet", *sum([["--session", s] for s in sessions], []),
-                         "--format", "slime", "--group-size", "3")  # fmt: skip
+    chosen = [arg for s in sessions for arg in ("--session", s)]
+    refused = run_export(record_dir, tmp_path / "r.parquet", *chosen, "--format", "slime", "--group-size", "3")
     assert refused.returncode == 2 and "'task-b' has 2 rows" in refused.stderr
     assert not (tmp_path / "r.parquet").exists()
-    dropped = run_export(record_dir, tmp_path / "d.jsonl", *sum([["--session", s] for s in sessions], []),
-                         "--format", "verl", "--to", "jsonl", "--group-size", "3", "--group-policy", "drop")  # fmt: skip
+    drop = ["--group-size", "3", "--group-policy", "drop"]
+    dropped = run_export(record_dir, tmp_path / "d.jsonl", *chosen, "--format", "verl", "--to", "jsonl", *drop)
     assert dropped.returncode == 0, dropped.stderr
     assert "3 episodes in 1 groups of 3 rows; 1 groups of another size left out" in dropped.stdout
     assert [json.loads(line)["uid"] for line in (tmp_path / "d.jsonl").read_text().splitlines()] == ["task-a"] * 3

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.full, pytest.mark.trainers]
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINERS = REPO / os.environ.get("TITO_TRAINERS_VENV", ".venv-trainers") / "bin" / "python"
-CHECK = REPO / "tests" / "trainers" / "check_loaders.py"
+CHECK = REPO / "tests" / "trainer_checks" / "check_loaders.py"
 #: session -> (first request, group, reward): two groups of three, one of two, every reward known.
 EPISODES = {
     "p0": ("Weather in Paris?", "paris", 1.0),

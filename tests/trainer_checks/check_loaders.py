@@ -28,8 +28,11 @@ def verl(rows: str, out: str, options: str) -> None:
     assert isinstance(batch, DataProto)
     batch.check_consistency()
     tensors = {k: {"shape": list(v.shape), "dtype": str(v.dtype), "values": v.tolist()} for k, v in batch.batch.items()}
-    report = {"tensors": tensors, "non_tensors": {k: plain(v) for k, v in batch.non_tensor_batch.items()},
-              "meta": batch.meta_info}
+    report = {
+        "tensors": tensors,
+        "non_tensors": {k: plain(v) for k, v in batch.non_tensor_batch.items()},
+        "meta": batch.meta_info,
+    }
     if "rm_scores" in batch.batch.keys():
         # What verl's trainer does next: the reward tensor becomes token_level_rewards, then its GRPO step.
         batch.batch["token_level_rewards"] = batch.batch["rm_scores"]
