@@ -5,17 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TITO_TRAINERS_VENV:-.venv-trainers}
 VERL=${TITO_VERL_VERSION:-0.9.1}
-# The CPU torch wheel on these machines is cp311, as for the vLLM tier: find a Python 3.11 that really runs.
-PY311=${PYTHON311:-}
-if [ -z "$PY311" ]; then
-    for candidate in "$(pyenv root 2>/dev/null)"/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3.11; do
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
-            PY311=$candidate
-            break
-        fi
-    done
-fi
-[ -n "$PY311" ] || { echo "setup_trainers: Python 3.11 is required (the CPU torch wheel is cp311)" >&2; exit 1; }
+# The torch wheel is cp311.
+source scripts/python311.sh setup_trainers
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import verl, torch, cachetools, fastapi, uvicorn; assert verl.__version__ == '$VERL'" 2>/dev/null; then
     rm -rf "$VENV"
     "$PY311" -m venv "$VENV"

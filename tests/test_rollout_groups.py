@@ -56,26 +56,34 @@ async def episode(service: TurnService, url: str, session: str, first: str) -> N
     await run_turn(service, url, session, messages)
 
 
-@pytest.fixture(scope="module")
-def record_dir(tmp_path_factory) -> Path:
-    """The 8 episodes above (one session each, written in that order, annotated) and session `s`, the tree of
-    test_trainer_export (branches [0, 1, 3], [0, 1, 2, 4] and an edited root [5]), rewarded 0.5."""
-    out = tmp_path_factory.mktemp("groups")
+def record_episodes(out: Path, episodes: dict, tree: bool = False) -> TrajectoryRecorder:
+    """Record `episodes` (session -> first request, group, reward) into `out`, one session each, in that order, then
+    annotate each with its group, reward and a label; `tree`: also session `s`, test_trainer_export's tree."""
     recorder = TrajectoryRecorder(out)
 
     async def run(url: str) -> None:
         client = UpstreamClient()
         service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), recorder)
-        for session, (first, _, _) in EPISODES.items():
+        for session, (first, _, _) in episodes.items():
             await episode(service, url, session, first)
-        await weather_tree(service, url)
+        if tree:
+            await weather_tree(service, url)
         await client.close()
 
     with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica:
         asyncio.run(run(replica.url))
-    for session, (_, group, reward) in EPISODES.items():
+    for session, (_, group, reward) in episodes.items():
         fields = {"reward": reward, "group": group, "labels": ["scored"]}
         recorder.write_annotation(AnnotationRecord(session_id=session, ts=time.time(), **fields))
+    return recorder
+
+
+@pytest.fixture(scope="module")
+def record_dir(tmp_path_factory) -> Path:
+    """The 8 episodes above (one session each, written in that order, annotated) and session `s`, the tree of
+    test_trainer_export (branches [0, 1, 3], [0, 1, 2, 4] and an edited root [5]), rewarded 0.5."""
+    out = tmp_path_factory.mktemp("groups")
+    recorder = record_episodes(out, EPISODES, tree=True)
     recorder.write_annotation(AnnotationRecord(session_id="s", ts=time.time(), reward=0.5))
     return out
 
@@ -170,6 +178,13 @@ def test_a_group_of_another_size_is_refused_dropped_or_padded(record_dir: Path, 
     dropped = run_export(record_dir, tmp_path / "d.jsonl", *chosen, "--format", "verl", "--to", "jsonl", *drop)
     assert dropped.returncode == 0, dropped.stderr
     assert "3 episodes in 1 groups of 3 rows; 1 groups of another size left out" in dropped.stdout
+    summary = tmp_path / "groups.json"
+    assert run_export(record_dir, tmp_path / "p.jsonl", *chosen, "--to", "jsonl", *drop[:2], "--group-policy", "pad",
+                      "--summary", str(summary)).returncode == 0  # fmt: skip
+    groups = json.loads(summary.read_text())["groups"]
+    assert [(g["group"], g["episodes"], g["rows"], g["padded"], g["group_index"]) for g in groups] == [
+        ("task-a", 3, 3, 0, 0), ("task-b", 2, 2, 1, 1)
+    ]  # fmt: skip
     assert [json.loads(line)["uid"] for line in (tmp_path / "d.jsonl").read_text().splitlines()] == ["task-a"] * 3
 
 

@@ -7,26 +7,16 @@ Skipped where the environment is not built, unless TITO_TRAINERS_REQUIRED=1 (CI)
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import cached_engine, tokenizer_path
-from test_rollout_groups import episode
-
-from tito_addon.backends.sglang_backend import SglangBackend
-from tito_addon.backends.upstream_client import UpstreamClient
-from tito_addon.records.record_models import AnnotationRecord
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-from tito_addon.sessions.memory_sessions import MemorySessions
-from tito_addon.turns.turn_service import TurnService
+from conftest import tokenizer_path
+from test_rollout_groups import record_episodes
 
 pytestmark = [pytest.mark.full, pytest.mark.trainers]
 
@@ -72,19 +62,7 @@ def trainers() -> Path:
 @pytest.fixture(scope="module")
 def record_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("train")
-    recorder = TrajectoryRecorder(out)
-
-    async def run(url: str) -> None:
-        client = UpstreamClient()
-        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), recorder)
-        for session, (first, _, _) in EPISODES.items():
-            await episode(service, url, session, first)
-        await client.close()
-
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica:
-        asyncio.run(run(replica.url))
-    for session, (_, group, reward) in EPISODES.items():
-        recorder.write_annotation(AnnotationRecord(session_id=session, ts=time.time(), reward=reward, group=group))
+    record_episodes(out, EPISODES)
     return out
 
 

@@ -164,6 +164,7 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument(
         "--groups-per-file", type=int, metavar="K", help="--to pt: groups per rollout file (default: all)"
     )
+    parser.add_argument("--summary", type=Path, metavar="JSON", help="also write each group's episodes and rows here")
     args = parser.parse_args(argv)
     try:
         layout, file_type = resolve_format(args.format, args.to)
@@ -203,6 +204,8 @@ def export_command(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     summary = arrangement.summary()
+    if args.summary is not None:
+        args.summary.write_text(json.dumps(summary, indent=1) + "\n")
     sizes = sorted({g["rows"] + g["padded"] for g in summary["groups"] if g["group_index"] is not None})
     unit = "groups" if layout == "verl-dataset" else "segments"
     print(f"{len(rows)} {unit} from {sessions} sessions written to {args.out} ({layout}, {file_type})")
