@@ -174,6 +174,31 @@ def test_reverse_mode_episodes_by_api_key(replica, tmp_path: Path) -> None:
     assert key not in text and BACKEND_KEY not in text
 
 
+def test_id_less_grpo_siblings_share_an_automatic_group(replica, tmp_path: Path) -> None:
+    """Three unnamed agents sending the same first request (GRPO siblings with no id) and one asking something else:
+    one rows call over their automatic sessions gives the siblings one group of three episodes, each its own rollout,
+    and the other agent a group of its own, which a group size of 3 leaves out."""
+    import openai
+
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  options={"tito_control_token": TOKEN}) as proxy:  # fmt: skip
+        for _ in range(3):
+            run_agent({"OPENAI_BASE_URL": proxy.url + "/v1"}, 1)
+        other = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-agent", max_retries=0)
+        other.chat.completions.create(model="m", messages=[{"role": "user", "content": "Something else entirely?"}])
+        with TitoClient(proxy.url, TOKEN) as tito:
+            sessions = [row["session_id"] for row in tito.sessions()]
+            summary = tito.export_rows(sessions, format="verl", to="summary")
+            rows = tito.export_rows(sessions, format="verl", group_size=3, group_policy="drop")
+    sizes = sorted((g["episodes"], g["rows"]) for g in summary["groups"])
+    assert sizes == [(1, 1), (3, 3)] and all(g["group"].startswith("auto-") for g in summary["groups"])
+    assert len(rows) == 3 and len({r["uid"] for r in rows}) == 1 and len({r["episode"] for r in rows}) == 3
+    assert [r["rollout_id"] for r in rows] == [r["index"] for r in rows] == [0, 1, 2]
+    assert len({tuple(r["prompts"]) for r in rows}) == 1, "the siblings' first prompts are one prompt"
+
+
 def test_after_close_new_starts_a_new_tree_under_the_name(replica, tmp_path: Path) -> None:
     replica.backend.reset()
     record_dir = tmp_path / "rec"

@@ -115,8 +115,8 @@ class AsyncTitoClient:
         return json.loads(payload)
 
     async def rows(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> list[dict[str, Any]]:
-        """The session's segments as trainer rows (`format`: generic, verl or slime; `calls`: only the segments of
-        these calls, comma-separated, e.g. `main,compaction,subagent`), as dicts."""
+        """The session's segments as trainer rows (`format`: generic, verl, slime or verl-dataset; `calls`: only the
+        segments of these calls, comma-separated, e.g. `main,compaction,subagent`), as dicts."""
         params = {"format": format, "to": "jsonl", **({"calls": calls} if calls else {})}
         payload, _ = await self._call("GET", self._path(session_id, "rows"), params=params)
         return [json.loads(line) for line in payload.splitlines() if line.strip()]

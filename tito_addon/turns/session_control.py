@@ -1,5 +1,5 @@
-"""What a rollout driver asks of the sessions, behind the control API: list them, fetch one's trainer rows, score it,
-wait until no turn of it is in flight, close it.
+"""What a rollout driver asks of the sessions, behind the control API: list them, fetch one's trainer rows or a batch's
+as one export (`POST /v1/rows`), score and group it, wait until no turn of it is in flight, close it.
 
 No mitmproxy here: `handle(method, path, body)` answers one control request (the proxy's `control_addon` checks the
 token and the host first). Every record read runs off the event loop; what the stores say (live, in flight, last
