@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import tokenizer_path
+from proxy_harness import Mitmdump
 from test_rollout_groups import record_episodes
+
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 pytestmark = [pytest.mark.full, pytest.mark.trainers]
 
@@ -207,3 +210,38 @@ def test_verl_dataset_rows_load_in_verls_rlhf_dataset(trainers: Path, record_dir
     assert [item["raw_prompt"] for item in items] == [[{"role": "user", "content": first}] for first in firsts]
     assert [item["index"] for item in items] == [0, 1, 2]
     assert all(item["data_source"] == "tito" and item["reward_model"]["style"] == "rule" for item in items)
+
+
+def test_the_example_drivers_file_is_read_as_groups_by_verl_and_slime(trainers: Path, tmp_path: Path) -> None:
+    """examples/rollout_driver.py, 3 tasks x 2 samples through a real mitmdump: its one verl file gives verl's GRPO one
+    group per task, and its one slime file becomes rollout files of whole two-sample groups."""
+    token = "driver-token-0123456789abcdef"
+    outs = {}
+    with (
+        ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica,
+        Mitmdump("", tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path, mode="regular",
+                 options={"tito_control_token": token}) as proxy,
+    ):  # fmt: skip
+        for layout in ("verl", "slime"):
+            outs[layout] = tmp_path / f"{layout}.parquet"
+            driver = subprocess.run(
+                [
+                    sys.executable, str(REPO / "examples" / "rollout_driver.py"), "--proxy", proxy.url, "--token",
+                    token, "--base-url", replica.url + "/v1", "--tasks", "3", "--samples", "2", "--prefix", layout,
+                    "--format", layout, "--out", str(outs[layout]),
+                ],
+                cwd=tmp_path, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            assert driver.returncode == 0, driver.stderr[-3000:]
+            assert "6 rows in 3 groups" in driver.stdout
+    report = verl_report(trainers, outs["verl"], tmp_path)
+    assert report["non_tensors"]["uid"] == ["task-0"] * 2 + ["task-1"] * 2 + ["task-2"] * 2
+    assert len(report["advantages"]) == 6
+    folder = tmp_path / "rollout_data"
+    in_trainers(trainers, "-m", "tito_addon.trainers.slime_rollouts", str(outs["slime"]), str(folder))
+    out = tmp_path / "slime.json"
+    in_trainers(trainers, str(CHECK), "slime", str(folder), str(out))
+    samples = json.loads(out.read_text())["0.pt"]["samples"]
+    assert [s["group_index"] for s in samples] == [0, 0, 1, 1, 2, 2]
+    assert [s["metadata"]["tito"]["group"] for s in samples] == ["task-0"] * 2 + ["task-1"] * 2 + ["task-2"] * 2
+    assert [s["rollout_id"] for s in samples] == [s["index"] for s in samples] == list(range(6))
