@@ -130,7 +130,7 @@ def arrange(
             groups.setdefault(key, _Group(key)).episodes[episode] = kept
     reports: list[GroupReport] = []
     rows: list[PlacedRow] = []
-    next_rollout = 0
+    next_rollout = next_group = 0
     for group in groups.values():
         real = group.rows
         report = GroupReport(group.key, len(group.episodes), len(real))
@@ -138,7 +138,7 @@ def arrange(
         padding = _padding(group, report, group_size, policy)
         if padding is None:
             continue
-        report.group_index = sum(1 for r in reports if r.group_index is not None)
+        report.group_index, next_group = next_group, next_group + 1
         rollout_ids: dict[str, int] = {}
         for branch in real:
             if branch.episode not in rollout_ids:

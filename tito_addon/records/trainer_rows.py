@@ -235,10 +235,14 @@ def verl_dataset_rows(arrangement: Arrangement) -> list[dict[str, Any]]:
     message's role and text; the exact messages and tools are in `extra_info` as JSON. `data_source` and the
     rule's `ground_truth` come from the episode's metadata when the driver gave them."""
     out: list[dict[str, Any]] = []
+    by_group: dict[int, list[PlacedRow]] = {}
+    for placed in arrangement.rows:
+        if not placed.padded:
+            by_group.setdefault(placed.group_index, []).append(placed)
     for report in arrangement.groups:
         if report.group_index is None:
             continue
-        rows = [row for row in arrangement.rows if row.group_index == report.group_index and not row.padded]
+        rows = by_group[report.group_index]
         first = min(rows, key=lambda row: (row.rollout_id, row.branch.segment)).branch
         turn = first.path[0]
         if turn.appended_messages is None or turn.parent_turn_id is not None:
