@@ -436,7 +436,7 @@ def test_cli_episodes_are_named_by_their_api_key(network: Network, agent_clis: P
         driver = [
             sys.executable, str(REPO / "examples" / "rollout_driver.py"), "--proxy", proxy.url, "--token", token,
             "--agent", "claude-code", "--claude", str(agent_clis / "claude"), "--key-prefix", prefix,
-            "--episodes", "2", "--concurrency", "2", "--prefix", "cc-driven", "--out", str(out),
+            "--tasks", "1", "--samples", "2", "--concurrency", "2", "--prefix", "cc-driven", "--out", str(out),
         ]  # fmt: skip
         env = {**os.environ, "PATH": base_env(tmp_path / "h3", agent_clis)["PATH"]}
         result = subprocess.run(network.command(driver), env=env, capture_output=True, text=True, timeout=600)
@@ -453,6 +453,7 @@ def test_cli_episodes_are_named_by_their_api_key(network: Network, agent_clis: P
     assert len(by_name["cc-episode"].turns) + len(by_name["cx-ep"].turns) == served
     rows = pq.read_table(out).to_pylist()
     assert sorted(r["session_id"] for r in rows) == ["cc-driven-0000", "cc-driven-0001"]
+    assert [(r["group"], r["group_index"]) for r in rows] == [("task-0", 0)] * 2, "one task, one group of two"
     assert all(r["reward"] == 1.0 and "tool_used" in r["labels"] for r in rows), [r["labels"] for r in rows]
     for row in rows:
         recorded = by_name[row["session_id"]]
