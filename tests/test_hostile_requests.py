@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import pytest
 from conftest import tokenizer_path
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from proxy_harness import Mitmdump, post
 from upstream_tap import UpstreamTap
@@ -527,8 +527,17 @@ def responses_bodies(draw) -> bytes:
     return json.dumps(body).encode()
 
 
+# A boolean is no integer to a strict parser: both were once read as 0 and 1 (a random draw found `top_k: false`).
+BOOLEAN_INTEGERS = [
+    {"model": "m", "max_tokens": 16, "messages": [USER], "top_k": False},
+    {"model": "m", "max_tokens": 16, "messages": [USER], "thinking": {"type": "enabled", "budget_tokens": True}},
+]
+
+
 @profile(60)
 @given(body=anthropic_bodies())
+@example(body=json.dumps(BOOLEAN_INTEGERS[0]).encode())
+@example(body=json.dumps(BOOLEAN_INTEGERS[1]).encode())
 def test_anthropic_messages_malformed_blocks_fields_and_roles(world, body) -> None:
     check_rejected(world, body, path=MESSAGES_PATH)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from tito_addon.canonical_chat import BoundedRequest, Number, TokenCount
 
@@ -98,7 +98,7 @@ class ThinkingConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    budget_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
 
 
 class MessagesRequest(BoundedRequest):
@@ -111,7 +111,7 @@ class MessagesRequest(BoundedRequest):
     stop_sequences: list[str] | None = None
     temperature: Number | None = None
     top_p: Number | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
     stream: StrictBool | None = None
