@@ -135,7 +135,7 @@ def arrange(
         real = group.rows
         report = GroupReport(group.key, len(group.episodes), len(real))
         reports.append(report)
-        padding = _padding(group, report, group_size, policy)
+        padding = _padding(group, real, report, group_size, policy)
         if padding is None:
             continue
         report.group_index, next_group = next_group, next_group + 1
@@ -154,9 +154,10 @@ def arrange(
     return arrangement
 
 
-def _padding(group: _Group, report: GroupReport, size: int | None, policy: str) -> list[Branch] | None:
+def _padding(
+    group: _Group, real: list[Branch], report: GroupReport, size: int | None, policy: str
+) -> list[Branch] | None:
     """The padding rows the group gets ([] when it has the size), or None when it is left out."""
-    real = group.rows
     if size is None or len(real) == size:
         return []
     if policy == "drop":

@@ -418,26 +418,3 @@ def read_files(record_dir: Path, sessions: list[str] | None = None, progress: An
         if progress is not None:
             progress()
     return files
-
-
-def export(
-    record_dir: Path,
-    out: Path,
-    fmt: str = "generic",
-    progress: Any = None,
-    *,
-    file_type: str | None = None,
-    sessions: list[str] | None = None,
-    options: ExportOptions = ExportOptions(),
-) -> Arrangement:
-    """Write every segment of every episode under `record_dir` (or of the named `sessions` only) to `out` as Parquet
-    or JSON Lines, grouped and sized as `options` asks; returns the arrangement (rows, groups, shared turns)."""
-    layout, file_type = resolve_format(fmt, file_type)
-    if file_type not in ROW_FILE_TYPES:
-        raise ValueError(f"export writes {', '.join(ROW_FILE_TYPES)}; slime's rollout files come from its writer")
-    # An episode's segments may lie in several sessions: the rows are made from all of them together.
-    rows, arrangement = rows_of(read_files(record_dir, sessions, progress), layout, options)
-    data = encode_rows(rows, layout, file_type)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(data)
-    return arrangement
