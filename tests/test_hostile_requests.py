@@ -115,6 +115,9 @@ def check_rejected(world: World, body: bytes, *, path: bytes = b"/v1/chat/comple
     reply = json.loads(content)
     if b"/v1/messages" in path:  # each API's own error shape
         assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error", reply
+    if b"/models/" in path:  # Google's
+        assert reply["error"]["code"] == status and reply["error"]["status"] in ("INVALID_ARGUMENT", "NOT_FOUND",
+                                                                               "ABORTED"), reply  # fmt: skip
     error = reply["error"]
     assert isinstance(error["message"], str) and error["message"], error
     assert world.tap.calls == [], f"reached the backend: {world.tap.calls[:1]}"
@@ -564,6 +567,69 @@ def test_new_apis_refuse_huge_bodies(world, path, size) -> None:
     key = b"messages" if path == MESSAGES_PATH else b"input"
     check_rejected(world, b'{"model": "m", "max_tokens": 5, "' + key + b'": [{"role": "robot", "content": "'
                    + b"z" * size + b'"}]}', path=path)  # fmt: skip
+
+
+# Gemini: generateContent, streamGenerateContent and countTokens, each a 4xx in Google's shape
+GEMINI_PATHS = [b"/v1beta/models/m:generateContent", b"/v1beta/models/m:streamGenerateContent?alt=sse",
+                b"/v1/models/flash-lite:countTokens", b"/sessions/s1/v1beta/models/m:generateContent"]  # fmt: skip
+GEMINI_USER = {"role": "user", "parts": [{"text": "x"}]}
+GEMINI_BAD_PARTS = st.one_of(
+    not_type(dict),
+    st.just({}), st.just({"text": 7}), st.just({"text": "a", "functionCall": {"name": "f"}}),
+    st.just({"inlineData": {"mimeType": "image/png", "data": "AA"}}), st.just({"fileData": {"fileUri": "gs://x"}}),
+    st.just({"executableCode": {"code": "1"}}), st.just({"functionCall": {"args": {}}}),
+    st.builds(lambda a: {"functionCall": {"name": "f", "args": a}}, not_type(dict, type(None))),
+    st.just({"functionCall": {"name": "f", "id": "i" * 300}}), st.just({"functionResponse": {"response": {}}}),
+    st.builds(lambda t: {"text": "a", "thought": t}, not_type(bool, type(None))),
+    st.builds(lambda g: {"text": "a", "thoughtSignature": g}, not_type(str, type(None))),
+)  # fmt: skip
+GEMINI_FIELD_TYPES: dict[str, st.SearchStrategy] = {
+    "contents": st.one_of(not_type(list), st.just([]), st.just([{"role": "user", "parts": []}])),
+    "systemInstruction": st.one_of(not_type(dict, type(None)), st.just({"parts": "x"})),
+    "tools": st.one_of(not_type(list, type(None)), st.just([{"functionDeclarations": [{"description": "x"}]}])),
+    "toolConfig": st.one_of(not_type(dict, type(None)), st.just({"functionCallingConfig": {"mode": "SOME"}})),
+    "generationConfig": st.one_of(not_type(dict, type(None)), st.just({"candidateCount": 2}),
+                                  st.just({"maxOutputTokens": 0}), st.just({"topK": True}),
+                                  st.just({"temperature": "hot"}), st.just({"responseMimeType": "text/x.enum"}),
+                                  st.just({"responseModalities": ["IMAGE"]}),
+                                  st.just({"thinkingConfig": {"thinkingBudget": "big"}}),
+                                  st.just({"stopSequences": [1]})),
+    "cachedContent": st.one_of(not_type(str, type(None)), st.just("cachedContents/abc")),
+}  # fmt: skip
+
+
+@st.composite
+def gemini_bodies(draw) -> bytes:
+    body: dict = {"contents": [GEMINI_USER]}
+    shape = draw(st.sampled_from(["field", "role", "user_part", "model_part", "missing"]))
+    if shape == "field":
+        name = draw(st.sampled_from(sorted(GEMINI_FIELD_TYPES)))
+        body[name] = draw(GEMINI_FIELD_TYPES[name])
+    elif shape == "role":
+        role = draw(st.one_of(not_type(str, type(None)), st.text(max_size=10).filter(
+            lambda r: r not in ("user", "model", "function"))))  # fmt: skip
+        body["contents"] = [GEMINI_USER, {"role": role, "parts": [{"text": "x"}]}]
+    elif shape == "missing":
+        del body["contents"]
+    else:
+        role = "user" if shape == "user_part" else "model"
+        body["contents"] = [GEMINI_USER, {"role": role, "parts": [draw(GEMINI_BAD_PARTS)]}]
+    return json.dumps(body).encode()
+
+
+@profile(50)
+@given(path=st.sampled_from(GEMINI_PATHS), body=gemini_bodies())
+@example(
+    path=GEMINI_PATHS[0], body=json.dumps({"contents": [GEMINI_USER], "generationConfig": {"topK": True}}).encode()
+)  # noqa: E501
+def test_gemini_malformed_parts_fields_and_roles(world, path, body) -> None:
+    check_rejected(world, body, path=path)
+
+
+@profile(20)
+@given(path=st.sampled_from(GEMINI_PATHS), body=st.one_of(malformed_json_bodies(), deep_bodies()))
+def test_gemini_refuses_broken_json_and_deep_nesting(world, path, body) -> None:
+    check_rejected(world, body, path=path)
 
 
 def test_the_storm_changed_no_session(world) -> None:

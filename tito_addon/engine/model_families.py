@@ -46,6 +46,9 @@ class ModelFamily:
     # The template kwarg that turns thinking on or off, for agents whose API has a thinking switch (Anthropic's
     # `thinking`); None: the family has no switch (it always reasons, or never does).
     thinking_switch: str | None = None
+    # The token that ends a completion's reasoning (a turn that reasons counts its reasoning tokens up to it, or all
+    # of them when it was cut off before); None: the family never reasons.
+    reasoning_end: str | None = None
     # vLLM's streaming derender may be given several generate chunks merged into one: true where the server's parsers
     # for this family give the same final message however the output is chunked (qwen3 reasoning with the hermes or
     # qwen3 tool parsers; harmony). Not for deepseek_v3 or mistral (0.31) tool parsers: chunked differently, they
@@ -78,6 +81,7 @@ FAMILIES: dict[str, ModelFamily] = {
         template_file="qwen3_keep_thinking.jinja",
         single_token_newline=True,
         thinking_switch="enable_thinking",
+        reasoning_end="</think>",
         chunking_invariant_parsers=True,
         compact_requests=True,
     ),
@@ -100,6 +104,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "at the start."
         ),
         template_file="deepseek_r1_keep_thinking.jinja",
+        reasoning_end="</think>",
         compact_requests=True,
         refused_append_roles={"system": _SYSTEM_AT_START},
     ),
@@ -115,6 +120,7 @@ FAMILIES: dict[str, ModelFamily] = {
         unterminated_close="<|end|>",
         tool_call_name_pattern=r"to=functions\.([^\s<]+)",
         stop_tokens=("<|return|>", "<|call|>"),
+        reasoning_end="<|end|>",  # of the analysis message, which comes first
         chunking_invariant_parsers=True,
         compact_requests=True,
     ),

@@ -65,6 +65,10 @@ class Route:
     action: str  # "turn", "count_tokens", or "compact" (a compaction the proxy serves: /v1/responses/compact)
     path_session_id: str | None  # still percent-encoded, as it appeared in `/sessions/{id}/`
     chat_path: str  # the backend's chat-completions path for this turn (the agent's own prefix kept)
+    # What the path itself says, where the API puts it there (Gemini's `models/{model}:streamGenerateContent`): the
+    # model asked for, and that the agent asked for a stream.
+    model: str | None = None
+    stream: bool = False
 
 
 @dataclass
@@ -110,6 +114,7 @@ class TurnOutcome:
     agent_bytes: bytes | None
     matched_stop: str | None
     headers: dict[str, str]
+    reasoning_tokens: int = 0  # the completion's tokens that were reasoning (up to the family's end-of-thinking)
 
 
 class Responder(Protocol):
@@ -149,7 +154,9 @@ class AgentApi(Protocol):
 
     def route(self, path: str) -> Route | None: ...
 
-    def parse(self, body: bytes, action: str = "turn") -> AgentRequest: ...
+    def parse(self, body: bytes, action: str = "turn", route: Route | None = None) -> AgentRequest:
+        """The request in the canonical form; `route` the path it came on, where the path says more than `action`."""
+        ...
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         """A fresh id for one turn's reply (naming its session where that is known and the id must find its turn

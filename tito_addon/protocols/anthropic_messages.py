@@ -32,7 +32,13 @@ from tito_addon.protocols.anthropic_models import MessageParam, MessagesRequest,
 from tito_addon.protocols.anthropic_translation import MessagesTranslation, translate_message
 from tito_addon.protocols.compaction_items import COMPACT_EDIT, COMPACTION_PURPOSE, SERVED_COMPACTION_PROMPT, summary_of
 from tito_addon.protocols.http_reply import HttpReply
-from tito_addon.protocols.translated_api import HeldDeltas, ItemTranslation, TranslatedApi, TranslatedResponder
+from tito_addon.protocols.translated_api import (
+    HeldDeltas,
+    ItemTranslation,
+    TranslatedApi,
+    TranslatedResponder,
+    passthrough_message,
+)
 from tito_addon.protocols.turn_refs import new_id
 from tito_addon.tito_errors import BadRequest, UpstreamPassthrough
 
@@ -354,19 +360,7 @@ class AnthropicMessagesApi(TranslatedApi[MessagesTranslation]):
         return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, ensure_ascii=False).encode()
 
     def passthrough_body(self, upstream: UpstreamPassthrough) -> bytes:
-        message = f"backend answered {upstream.status}"
-        try:
-            parsed = json.loads(upstream.body)
-            detail = parsed.get("error", parsed) if isinstance(parsed, dict) else None
-            if isinstance(detail, dict) and isinstance(detail.get("message"), str):
-                message = f"{message}: {detail['message']}"
-            elif isinstance(detail, str):
-                message = f"{message}: {detail}"
-        except ValueError:
-            text = upstream.body[:500].decode("utf-8", "replace").strip()
-            if text:
-                message = f"{message}: {text}"
-        return self.error_json(upstream.status, message)
+        return self.error_json(upstream.status, passthrough_message(upstream))
 
     def count_tokens_body(self, count: int) -> bytes:
         return json.dumps({"input_tokens": count}).encode()

@@ -132,7 +132,7 @@ class ChatCompletionsApi:
             self.known_requests.remember(body, obj, state, encodings, extension, lambda n: state[:n])
         return request, obj
 
-    def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
+    def parse(self, body: bytes, action: str = "turn", route: Route | None = None) -> AgentRequest:
         request, raw = self.parse_request(body)
         # The agent's object as sent (dumping 400 validated messages back cost ~1 ms a turn at turn 200), with
         # the fields the model declares in their validated form, so "false" never reads as true downstream.

@@ -87,7 +87,7 @@ class ResponsesResponder(TranslatedResponder):
                 "input_tokens": outcome.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": outcome.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": outcome.reasoning_tokens},
                 "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
             }
         return body

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 
 from tito_addon.protocols.agent_api import AgentApi, Route
 from tito_addon.protocols.anthropic_messages import MESSAGES_PATH, AnthropicMessagesApi
+from tito_addon.protocols.gemini_generate import GEMINI_PATH, GeminiApi
 from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.openai_chat import CHAT_PATH, ChatCompletionsApi
 from tito_addon.protocols.openai_responses import RESPONSES_PATH, OpenAIResponsesApi
 from tito_addon.protocols.turn_refs import TurnSigner
 
-AGENT_PATHS = (CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH)
+AGENT_PATHS = (CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH, GEMINI_PATH)
 
 
 def is_agent_path(path: str) -> bool:
@@ -34,6 +35,7 @@ def agent_apis(
         kept.get(ChatCompletionsApi) or ChatCompletionsApi(memo_bytes),
         kept.get(AnthropicMessagesApi) or AnthropicMessagesApi(signer, memo_bytes),
         kept.get(OpenAIResponsesApi) or OpenAIResponsesApi(signer, memo_bytes),
+        kept.get(GeminiApi) or GeminiApi(signer, memo_bytes),
     ]
 
 

@@ -24,6 +24,7 @@ reasoning, text and tool-call deltas handed to the API's stream writer.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -47,7 +48,7 @@ from tito_addon.protocols.json_body import validated
 from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.known_requests import Extension, KnownRequests
 from tito_addon.protocols.turn_refs import TurnSigner
-from tito_addon.tito_errors import BadRequest, TitoError
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
 
 Signature = tuple[str, str, str]  # where, the signed value, the text it stands for
 
@@ -121,6 +122,23 @@ def known_block(messages: list[Any], leading: int, known: list[ChatMessage]) -> 
     return [*([None] * leading), *known, *([None] * (len(messages) - leading - len(known)))]
 
 
+def passthrough_message(upstream: UpstreamPassthrough) -> str:
+    """What the agent is told of a backend's refusal: its status and its own message, where it has one."""
+    message = f"backend answered {upstream.status}"
+    try:
+        parsed = json.loads(upstream.body)
+        detail = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+        if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+            message = f"{message}: {detail['message']}"
+        elif isinstance(detail, str):
+            message = f"{message}: {detail}"
+    except ValueError:
+        text = upstream.body[:500].decode("utf-8", "replace").strip()
+        if text:
+            message = f"{message}: {text}"
+    return message
+
+
 class TranslatedApi[T: ChatTranslation]:
     """An API translated to chat: served at `…/v1/<its path>` under any prefix (and `/sessions/{id}/`), its turns
     run on the backend's chat path under the same prefix; it signs with the proxy's signer, and remembers up to
@@ -156,7 +174,7 @@ class TranslatedApi[T: ChatTranslation]:
         action = "count_tokens" if found.get("count") else "compact" if found.get("compact") else "turn"
         return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")  # type: ignore[arg-type]
 
-    def parse(self, body: bytes, action: str = "turn") -> AgentRequest:
+    def parse(self, body: bytes, action: str = "turn", route: Route | None = None) -> AgentRequest:
         raw, exact, extension = self.known_requests.read(body)
         request, appended, prior = self._validated(raw, extension)
         self.check(request, action)
@@ -180,7 +198,7 @@ class TranslatedApi[T: ChatTranslation]:
             known = known[cut - leading :]
         if not translation.messages:
             raise BadRequest(f"the request has no {self.item_noun} the model can read")
-        chat_body: dict[str, Any] = {"model": request.model, "messages": translation.messages}
+        chat_body: dict[str, Any] = {"model": self.model_name(request, route), "messages": translation.messages}
         extra = self.fill(request, translation, chat_body)
         chat_body.update(backend_extensions(raw))
         found = known_block(translation.messages, leading, known)
@@ -194,7 +212,7 @@ class TranslatedApi[T: ChatTranslation]:
         return AgentRequest(
             chat=chat,
             chat_body=chat_body,
-            stream=bool(request.stream),
+            stream=self.streams(request, route),
             items=items,
             item_of=translation.item_of,
             thinking=self.thinking(request),
@@ -264,6 +282,14 @@ class TranslatedApi[T: ChatTranslation]:
     def error_json(status: int, message: str) -> bytes:
         """An error in the API's own shape."""
         raise NotImplementedError
+
+    def model_name(self, request: Any, route: Route | None) -> str | None:
+        """The model the turn asks for (the body's, where the API's path does not name it)."""
+        return request.model
+
+    def streams(self, request: Any, route: Route | None) -> bool:
+        """Whether the agent asked for a stream (the body's switch, where the API's path does not say)."""
+        return bool(request.stream)
 
     def check(self, request: Any, action: str) -> None:
         """Refuse a request that lacks what `action` needs of it."""

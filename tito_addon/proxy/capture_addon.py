@@ -125,12 +125,16 @@ class TitoAddon:
             body = flow.request.content or b""
         except ValueError:
             return False  # an undecodable content-encoding: the ordinary path answers it 400
-        if not STREAM_TRUE.search(body):
+        route = service.route(flow.request.path)
+        if route is not None and route.stream:
+            wants_stream = True  # the path asks (Gemini's streamGenerateContent)
+        elif not STREAM_TRUE.search(body):
             return False  # the hot path: no second parse of a body that does not ask for a stream
-        try:
-            wants_stream = json.loads(body).get("stream") is True
-        except (ValueError, AttributeError, RecursionError):
-            return False  # the ordinary path answers the bad body
+        else:
+            try:
+                wants_stream = json.loads(body).get("stream") is True
+            except (ValueError, AttributeError, RecursionError):
+                return False  # the ordinary path answers the bad body
         headers = folded_headers(flow.request.headers)
         if not wants_stream or base_url is None or not await service.backend.can_stream(base_url, headers):
             return False

@@ -8,7 +8,8 @@ or its API key.
   the credentials and leaves us the user name in `flow.metadata["proxyauth"]`).
 - Reverse mode (or any mode): an API key of the form `tito_session_api_key_prefix` + EPISODE, in
   `Authorization: Bearer …` (OpenAI SDKs, Codex, Claude Code's `ANTHROPIC_AUTH_TOKEN`) or `x-api-key` (Claude Code's
-  `ANTHROPIC_API_KEY`). It is replaced by `tito_backend_api_key` (or removed when that is empty) before the flow goes
+  `ANTHROPIC_API_KEY`) or `x-goog-api-key` (Gemini CLI's `GEMINI_API_KEY`, the google-genai SDK). It is replaced by
+  `tito_backend_api_key` (or removed when that is empty) before the flow goes
   anywhere, so the backend sees the real key and no recording, flow file or log sees either: flows to hosts that are
   not backends lose the episode key and never get the backend's.
 
@@ -31,7 +32,7 @@ from mitmproxy.proxy.mode_specs import RegularMode, UpstreamMode
 logger = logging.getLogger(__name__)
 
 EPISODE = "tito_episode"
-KEY_HEADERS = ("authorization", "x-api-key")
+KEY_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
 
 
 def proxy_user(value: str) -> tuple[str, str] | None:

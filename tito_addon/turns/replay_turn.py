@@ -58,7 +58,7 @@ class ReplayService:
             return None
         api = route.api
         try:
-            request = api.parse(body, route.action)
+            request = api.parse(body, route.action, route)
             if request.previous_response_id is not None:
                 raise TitoError("previous_response_id is not replayed; send the whole input", status=400)
         except TitoError as error:

@@ -20,6 +20,10 @@ from tito_addon.turns.turn_replies import matched_stop
 from tito_addon.turns.turn_types import PreparedTurn
 
 
+def reasoning_of(message: dict[str, Any]) -> str | None:
+    return message.get("reasoning_content") or message.get("reasoning")
+
+
 @dataclass
 class TurnRun:
     prepared: PreparedTurn
@@ -29,6 +33,8 @@ class TurnRun:
     sessions: SessionRecords
     # The turn's record line for the backend's result and its cut budget, once its session and turn id are settled.
     record: Callable[[BackendResult, dict | None, str, int], CompletedTurn]
+    # How many of the completion's ids were reasoning (`TokenEngine.reasoning_tokens`).
+    count_reasoning: Callable[[list[int], bool], int] = lambda ids, reasoned: 0
     budget: dict | None = None  # the completion budget as cut to the backend's context, when it was
     released: bool = False
 
@@ -61,6 +67,7 @@ class TurnRun:
             agent_bytes=result.agent_bytes,
             matched_stop=matched_stop(result.agent_body),
             headers=tito_headers,
+            reasoning_tokens=self.count_reasoning(result.completion_ids, bool(reasoning_of(result.message))),
         )
         return metadata, outcome
 

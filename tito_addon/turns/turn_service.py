@@ -181,7 +181,7 @@ class TurnService:
         session_id = session_id if session_id is not None else path_id
         if session_id is None and episode is not None:
             session_id = checked_session_id(episode, "the episode name (proxy user or API key)")
-        agent = route.api.parse(body, route.action)
+        agent = route.api.parse(body, route.action, route)
         request = agent.chat
         self.backend.check_request(request)
         kwargs = self.engine.effective_kwargs(request.chat_template_kwargs, thinking=agent.thinking)
@@ -326,7 +326,7 @@ class TurnService:
             )
 
         backend_turn = self.backend_turn(prepared, headers, base_url)
-        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, record)
+        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, record, self.engine.reasoning_tokens)
 
     async def fit(self, run: TurnRun) -> None:
         """Cut the turn's completion budget to what the backend's context leaves after the prompt (asked of the
