@@ -113,10 +113,8 @@ class TokenEngine:
             self.encode(family.unterminated_close) if family.unterminated_close else list(self.end_of_turn_ids)
         )
         self.end_of_turn_tails = self._end_of_turn_tails()
-        end = family.reasoning_end
-        end_id = tokenizer.convert_tokens_to_ids(end) if end else None
-        known = isinstance(end_id, int) and tokenizer.convert_ids_to_tokens(end_id) == end
-        self.reasoning_end_id: int | None = end_id if known else None
+        end_id = tokenizer.convert_tokens_to_ids(family.reasoning_end) if family.reasoning_end else None
+        self.reasoning_end_id = end_id if tokenizer.convert_ids_to_tokens(end_id or 0) == family.reasoning_end else None
         self._tool_name_pattern = re.compile(family.tool_call_name_pattern) if family.tool_call_name_pattern else None
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
         self.tokenizer_sha256 = self._tokenizer_sha256()
@@ -235,16 +233,6 @@ class TokenEngine:
                     best_k, best_tail = k, tail
                     break
         return list(best_tail[best_k:])
-
-    def reasoning_tokens(self, completion_ids: Sequence[int], reasoned: bool) -> int:
-        """How many of a completion's ids were its reasoning (`reasoned`: the backend parsed reasoning out of it):
-        up to and with the family's end-of-reasoning token, or all of them when the turn was cut off before it."""
-        if not reasoned or self.reasoning_end_id is None:
-            return 0
-        try:
-            return list(completion_ids).index(self.reasoning_end_id) + 1
-        except ValueError:
-            return len(completion_ids)
 
     def called_tool_names(self, completion_ids: Sequence[int]) -> list[str]:
         """Names of the tools a completion called, in order, where the family's template needs them."""
