@@ -36,7 +36,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from tito_addon.protocols.agent_api import AgentRequest, ReplyContext, Route
+from tito_addon.protocols.agent_api import AgentRequest, Route
 from tito_addon.protocols.gemini_models import (
     Content,
     FunctionCallingConfig,
@@ -213,9 +213,6 @@ class GeminiApi(TranslatedApi[ContentsTranslation]):
         if config.thinkingBudget is not None:
             return config.thinkingBudget != 0
         return True if config.thinkingLevel is not None else None
-
-    def responder(self, request: AgentRequest, context: ReplyContext) -> GeminiResponder:
-        return GeminiResponder(request, context)
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_id("")
