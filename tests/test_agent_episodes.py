@@ -5,7 +5,7 @@ replica received and generated, every segment linked into one episode (`episode`
 exported rows, one per segment, equal the replica's ids with the episode's reward on each.
 
 The stack (a loopback-only network namespace, the pinned CLIs, the replica inside the namespace) is
-tests/test_agent_clis.py's; what the CLIs send in these episodes is measured in the README's "Episodes".
+tests/agent_cli_stack.py's; what the CLIs send in these episodes is measured in the README's "Episodes".
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO
-from test_agent_clis import (  # noqa: F401 - fixtures
+from agent_cli_stack import (  # noqa: F401 - fixtures
     CODEX_CONFIG,
     HostLoopback,
     NamespacedReplica,
@@ -28,6 +26,8 @@ from test_agent_clis import (  # noqa: F401 - fixtures
     network,
     run_cli,
 )
+from conftest import tokenizer_path
+from proxy_harness import REPO
 from test_anthropic_messages import assert_token_exact
 
 from tito_addon.records.record_models import AnnotationRecord

@@ -33,9 +33,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from agent_cli_stack import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
 from conftest import SHARED, wait_until
 from proxy_harness import REPO
-from test_agent_clis import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
 
 from tito_addon.records.record_reader import iter_session_files
 
