@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
+from proxy_harness import REPO, Mitmdump, post
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaThread
@@ -138,3 +138,30 @@ def test_openai_agents_sdk_tool_loop(proxy, replica) -> None:
     assert len(sessions) == 1, "the framework's second run continued the same conversation"
     (turns,) = sessions
     assert [t.parent_turn_id for t in turns] == [None, *range(len(turns) - 1)]
+
+
+def test_reasoning_echoed_trimmed_extends_the_turn(proxy, replica) -> None:
+    """Qwen Code keeps each thought trimmed in its history (Qwen3's reasoning comes as "\\n…\\n") and echoes it so,
+    in both reasoning fields, beside `content: ""`, compact arguments and text-part tool results: the request still
+    extends the stored turn's exact ids. A reasoning that says something else is another history (a new root)."""
+    url = proxy.url + "/v1/chat/completions"
+    shell = {"type": "function", "function": {"name": "run_shell_command", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}  # fmt: skip
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "ls"}]}]
+    reply = post(url, json={"model": "m", "messages": first, "tools": [shell]})
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    reasoning, calls = message["reasoning_content"], message["tool_calls"]
+    assert reasoning != reasoning.strip() and calls
+    compact = []
+    for call in calls:
+        arguments = json.dumps(json.loads(call["function"]["arguments"]), separators=(",", ":"))
+        compact.append({**call, "function": {**call["function"], "arguments": arguments}})
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": [{"type": "text", "text": "a.txt"}]} for c in calls]
+    for thought in (reasoning.strip(), "Another thought."):
+        echoed = {"role": "assistant", "content": "", "tool_calls": compact, "reasoning_content": thought,
+                  "reasoning": thought}  # fmt: skip
+        answer = post(url, json={"model": "m", "messages": [*first, echoed, *results], "tools": [shell]})
+        assert answer.status_code == 200, answer.text
+    turns = [t for session in trajectory_matches(proxy.record_dir, replica) for t in session]
+    assert [t.parent_turn_id for t in turns] == [None, 0, None]

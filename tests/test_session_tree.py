@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.sessions.message_keys import message_key, reasoning_matches
+from tito_addon.sessions.redis_tree import reasoning_digest
 from tito_addon.sessions.session_tree import MemoryTree
 
 
@@ -46,6 +47,14 @@ def test_reasoning_is_one_key_and_absence_matches() -> None:
     assert reasoning_matches("r", None) and reasoning_matches(None, "r") and reasoning_matches("r", "r")
     assert not reasoning_matches("r", "s")
     assert not reasoning_matches("\n\n", "\n")
+
+
+def test_reasoning_matches_without_the_whitespace_around_it() -> None:
+    """Qwen Code echoes Qwen3's "\nthought\n" trimmed; the Redis store's digests compare the same way."""
+    assert reasoning_matches("\nthought\n", "thought") and reasoning_matches("thought", " thought\n")
+    assert not reasoning_matches("\nthought\n", "thought two") and not reasoning_matches("a b", "ab")
+    assert reasoning_digest("\nthought\n") == reasoning_digest("thought") != reasoning_digest("thought two")
+    assert reasoning_digest("\n\n") != reasoning_digest("\n") and reasoning_digest(None) == reasoning_digest("") == ""
 
 
 def commit(store, session, parent, messages_before, appended, assistant, ids=(1, 2), completion=(3,)):

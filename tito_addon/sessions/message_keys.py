@@ -1,8 +1,9 @@
 """How messages are compared, to find the stored turn a request extends.
 
 Matching compares role, content, tool calls (id, name and parsed arguments) and, separately, reasoning:
-clients drop or rename reasoning when they echo an assistant message, so a side without reasoning matches
-and `reasoning_content`/`reasoning` are one key. null, "" and [] are equal; whitespace is significant.
+clients drop, rename or trim reasoning when they echo an assistant message, so a side without reasoning matches,
+`reasoning_content`/`reasoning` are one key and the whitespace around a reasoning is not compared (see
+`reasoning_identity`). null, "" and [] are equal; whitespace is otherwise significant.
 """
 
 from __future__ import annotations
@@ -50,5 +51,15 @@ def message_key(message: ChatMessage) -> MessageKey:
     return key
 
 
+def reasoning_identity(text: str | None) -> str:
+    """What of a reasoning an echo must keep: its text without the whitespace around it. Qwen Code trims every
+    thought it keeps in its history (Qwen3's reasoning comes as "\\n…\\n" between <think> and </think>), and the
+    stored turn's ids, not the echo, are what the next prompt holds. A reasoning of whitespace alone stays itself,
+    so it is not taken for an absent one."""
+    if not text:
+        return ""
+    return text.strip() or text
+
+
 def reasoning_matches(stored: str | None, incoming: str | None) -> bool:
-    return not stored or not incoming or stored == incoming
+    return not stored or not incoming or reasoning_identity(stored) == reasoning_identity(incoming)

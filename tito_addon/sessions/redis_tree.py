@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tito_addon.sessions.message_keys import KEY_BYTES
+from tito_addon.sessions.message_keys import KEY_BYTES, reasoning_identity
 from tito_addon.sessions.redis_scripts import CLAIM, CLOSE, COMMIT, RESTORE
 from tito_addon.tito_errors import SessionClosed, SessionGone, StoreUnavailable
 
@@ -108,7 +108,10 @@ def unpack_ids(data: bytes) -> array:
 
 
 def reasoning_digest(text: str | None) -> str:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest() if text else ""
+    # Of the reasoning's identity, so that digests compare as `reasoning_matches` compares texts.
+    if not text:
+        return ""
+    return hashlib.blake2b(reasoning_identity(text).encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def namespace_hash(namespace: str) -> str:
