@@ -132,6 +132,42 @@ def test_dropped_thought_parts_come_back_from_the_signature(proxy, replica) -> N
     assert_token_exact(proxy.record_dir, replica)
 
 
+def test_calls_and_responses_echoed_without_ids_keep_the_turns_ids(proxy, replica) -> None:
+    """pi's Gemini history: no thought parts, the signature where it came (on a call, or on the text before the
+    calls), and no ids on the function calls nor on their responses. The calls get back the ids the proxy gave them
+    (made from the reply id the signature names), so each request extends the turn before; each response takes the
+    id of the call at its place (the replica's third turn makes two calls)."""
+    declaration = WEATHER.model_dump(mode="json", exclude_none=True, by_alias=True)
+    base = {"systemInstruction": {"parts": [{"text": "Be brief."}]}, "tools": [{"functionDeclarations": [declaration]}]}
+    url = f"{proxy.url}/v1beta/models/qwen3:streamGenerateContent?alt=sse"
+    contents: list[dict] = [{"role": "user", "parts": [{"text": "Weather in Paris?"}]}]
+    given: list[list[str]] = []
+    for _ in range(4):
+        reply = post(url, json={**base, "contents": contents})
+        assert reply.status_code == 200, reply.text
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+        parts = [part for chunk in chunks for part in chunk["candidates"][0]["content"]["parts"]]
+        calls = [part["functionCall"] for part in parts if "functionCall" in part]
+        given.append([call["id"] for call in calls])
+        model = [
+            {**part, "functionCall": {"name": part["functionCall"]["name"], "args": part["functionCall"]["args"]}}
+            if "functionCall" in part else part
+            for part in parts
+            if not part.get("thought")
+        ]  # fmt: skip
+        outputs = [{"functionResponse": {"name": c["name"], "response": {"output": f"{c['id'][-4:]}: 21 C"}}}
+                   for c in calls]  # fmt: skip
+        contents += [{"role": "model", "parts": model}, {"role": "user", "parts": outputs or [{"text": "And Rome?"}]}]
+    assert [len(ids) for ids in given] == [1, 0, 2, 0]
+    assert "thoughtSignature" in contents[1]["parts"][0] and "text" in contents[5]["parts"][0]
+    turns = assert_token_exact(proxy.record_dir, replica)
+    assert [t.parent_turn_id for t in turns] == [None, 0, 1, 2]
+    for turn, ids in zip(turns, given, strict=True):
+        assert [c["id"] for c in turn.assistant_message.get("tool_calls") or []] == ids
+    results = [(m["tool_call_id"], m["content"]) for t in turns for m in t.appended_messages if m["role"] == "tool"]
+    assert results == [(i, f"{i[-4:]}: 21 C") for ids in given for i in ids]
+
+
 def test_automatic_function_calling_of_the_sdk_is_token_exact(proxy, replica) -> None:
     """The SDK's own loop: a Python function as the tool, called and answered by the SDK itself."""
     seen: list[str] = []
@@ -239,3 +275,66 @@ def test_the_sdk_reads_our_errors_as_google_errors(proxy, replica) -> None:
     assert raised.value.code == 400 and raised.value.status == "INVALID_ARGUMENT"
     assert "inlineData" in raised.value.message
     assert replica.received() == []
+
+
+def test_a_resumed_gemini_cli_history_extends_the_turns_it_repeats(proxy, replica) -> None:
+    """What a resumed Gemini CLI session sends (it rebuilds the history from its session file): the signatures
+    gone (the placeholder on the first call of a model content), the texts trimmed, and every function response twice
+    in its content (`[A, A]`, `[A, B, A, B]`). The texts were shown trimmed, an exact repeat is read as nothing (noted),
+    so the new prompt extends the last turn's exact ids; a different response under an answered id is refused."""
+    declaration = WEATHER.model_dump(mode="json", exclude_none=True, by_alias=True)
+    base = {"systemInstruction": {"parts": [{"text": "Be brief."}]}, "tools": [{"functionDeclarations": [declaration]}],
+            "generationConfig": {"thinkingConfig": {"includeThoughts": True}}}  # fmt: skip
+    url = f"{proxy.url}/v1beta/models/qwen3:streamGenerateContent?alt=sse"
+    contents: list[dict] = [{"role": "user", "parts": [{"text": "Weather in Paris?"}]}]
+    resumed: list[dict] = list(contents)
+    for _ in range(4):  # one call, the answer, two calls (the replica's third turn), the answer
+        reply = post(url, json={**base, "contents": contents})
+        assert reply.status_code == 200, reply.text
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+        parts = [part for chunk in chunks for part in chunk["candidates"][0]["content"]["parts"]]
+        shown = [part for part in parts if not part.get("thought")]
+        calls = [part["functionCall"] for part in shown if "functionCall" in part]
+        outputs = [{"functionResponse": {"id": c["id"], "name": c["name"], "response": {"output": f"{c['id']}: 21 C"}}}
+                   for c in calls]  # fmt: skip
+        contents += [{"role": "model", "parts": shown}, {"role": "user", "parts": outputs or [{"text": "And Rome?"}]}]
+        # The session file's reading: no signatures (the placeholder on the first call), each response twice.
+        rebuilt = [{k: v for k, v in part.items() if k != "thoughtSignature"} for part in shown]
+        first_call = next((part for part in rebuilt if "functionCall" in part), None)
+        if first_call is not None:
+            first_call["thoughtSignature"] = "skip_thought_signature_validator"
+        resumed += [
+            {"role": "model", "parts": rebuilt},
+            {"role": "user", "parts": outputs * 2 or [{"text": "And Rome?"}]},
+        ]
+    turns = assert_token_exact(proxy.record_dir, replica)
+    assert [len(t.assistant_message.get("tool_calls") or []) for t in turns] == [1, 0, 2, 0]
+    # An answer is shown without the whitespace around it (Qwen3's starts with the "\n\n" after </think>); the ids
+    # keep it.
+    answers = [t for t in turns if t.finish_reason == "stop"]
+    for turn, content in zip(answers, (contents[3], contents[7]), strict=True):
+        text = "".join(part.get("text", "") for part in content["parts"])
+        assert text == text.strip() == turn.assistant_message["content"] and text
+        assert turn.completion_ids[turn.completion_ids.index(151668) + 1] == 271  # "\n\n"
+
+    reply = post(url, json={**base, "contents": resumed})
+    assert reply.status_code == 200, reply.text
+    turns = assert_token_exact(proxy.record_dir, replica)
+    assert [t.parent_turn_id for t in turns] == [None, 0, 1, 2, 3]
+    assert [m["role"] for m in turns[-1].appended_messages] == ["user"]
+    repeats = [note for note in turns[-1].left_out or [] if "repeating an earlier one" in note]
+    assert [note.split(":")[0] for note in repeats] == ["contents.2.parts.1", "contents.6.parts.2",
+                                                        "contents.6.parts.3"]  # fmt: skip
+
+    # A different response under an id its content already answered: which one the model reads is not for the proxy
+    # to pick.
+    served = len(replica.received())
+    conflicting = [dict(content) for content in resumed]
+    first, again = conflicting[2]["parts"]
+    changed = {**again["functionResponse"], "response": {"output": "Paris: 30 C"}}
+    conflicting[2] = {"role": "user", "parts": [first, {"functionResponse": changed}]}
+    refused = post(url, json={**base, "contents": conflicting})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["status"] == "INVALID_ARGUMENT" and "contents.2.parts.1" in error["message"]
+    assert "different functionResponse" in error["message"] and len(replica.received()) == served

@@ -9,11 +9,15 @@ Request -> canonical chat messages:
 - `systemInstruction`'s text parts are the first system message.
 - A user content's `functionResponse` parts become tool messages, in order (a `response` that is one `output`,
   `result`, `content` or `error` string alone is that text, any other its JSON), then its text parts one user
-  message. `role: "function"` (the older name) is a user content.
+  message. `role: "function"` (the older name) is a user content. A response without an id takes the id of the
+  call at its place in the model content before it, when that call has its name. A response repeating an earlier
+  one of its content exactly, id included (a resumed Gemini CLI session sends each twice), is left out and noted; a
+  different response under an id already answered is refused (400).
 - A model content: thought parts (`thought: true`) are its reasoning, other text parts its content (joined as they
   were streamed), `functionCall` parts its tool calls (id, name, `args` as the arguments object; a call without an
-  id is named `NAME#POSITION`). A `thoughtSignature` this proxy minted (on any part: clients move them) seals the
-  turn's exact reasoning, which is then the message's reasoning even when the client dropped the thought parts;
+  id, as pi echoes them, gets back the one the proxy gave it, made from the reply id its content's signature names,
+  else it is named `NAME#POSITION`). A `thoughtSignature` this proxy minted (on any part: clients move them) seals
+  the turn's exact reasoning, which is then the message's reasoning even when the client dropped the thought parts;
   Gemini CLI's placeholder `skip_thought_signature_validator` is no signature, and a foreign one is read as nothing
   (the record says so), never a failure.
 - Media parts (`inlineData`, `fileData`) and hosted-tool output are refused (400): no served model family reads
@@ -181,6 +185,13 @@ class GeminiApi(TranslatedApi[ContentsTranslation]):
 
     def translate_one(self, item: Content, where: str) -> ItemTranslation:
         return translate_content(self.signer, item, where)
+
+    def translate_item(self, translation: ContentsTranslation, index: int, item: Content, where: str) -> None:
+        # A user content's responses without ids answer the calls of the model content before it (the last message
+        # so far): the same for every request that holds both, so the reading kept for this one stays true.
+        last = translation.messages[-1] if translation.messages and item.role != "model" else {}
+        calls = tuple((c["id"], c["function"]["name"]) for c in last.get("tool_calls") or ())
+        translation.take(index, (translate_content(self.signer, item, where, calls),))
 
     def fill(
         self, request: GenerateContentRequest, translation: ContentsTranslation, chat_body: dict[str, Any]

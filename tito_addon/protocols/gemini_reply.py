@@ -4,7 +4,8 @@ Parts are reasoning (`thought: true`, shown when the request asked `includeThoug
 function calls. The first part that is not a thought carries the thought signature: the reasoning sealed with the
 reply's id under the proxy's key, so an agent that drops thought parts from the history it sends back (Gemini CLI
 does) still names the exact reasoning of the turn. A stream's chunks carry only new parts; a function call goes out
-whole, and the last chunk carries what was held back, `finishReason` and the exact `usageMetadata`.
+whole, and the last chunk carries what was held back, `finishReason` and the exact `usageMetadata`. The text is
+shown without the whitespace around it (`GeminiResponder.adapt`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from typing import Any
 from tito_addon.canonical_chat import parse_arguments
 from tito_addon.exact_json import dumps_exact
 from tito_addon.protocols.agent_api import REFRAMED_STREAM_HEADERS, AgentRequest, ReplyContext, TurnOutcome
-from tito_addon.protocols.gemini_translation import seal_signature
+from tito_addon.protocols.gemini_translation import call_id_for, seal_signature
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.protocols.translated_api import TranslatedResponder
-from tito_addon.protocols.turn_refs import new_id
 
-CALL_PREFIX = "call_"
 # Google's status names for the HTTP statuses this proxy answers with.
 STATUS_NAMES = {
     400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 409: "ABORTED",
@@ -79,10 +78,11 @@ class GeminiResponder(TranslatedResponder):
         self.calls: dict[int, dict[str, str]] = {}
 
     def call_id(self, position: int, given: str | None = None) -> str:
-        """The id the agent sees for the call at `position`: ours, or the recorded one on replay."""
+        """The id the agent sees for the call at `position`: made from the reply's id (`call_id_for`), so that it
+        can be named again when the agent echoes the call without it; the recorded one on replay."""
         if position not in self.call_ids:
-            keep = given and (self.context.replayed or given.startswith(CALL_PREFIX))
-            self.call_ids[position] = given if keep else new_id(CALL_PREFIX)  # type: ignore[assignment]
+            replayed = given if self.context.replayed else None
+            self.call_ids[position] = replayed or call_id_for(self.context.reply_id, position)
         return self.call_ids[position]
 
     def adapt(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +91,11 @@ class GeminiResponder(TranslatedResponder):
         if calls:
             adapted["tool_calls"] = [{**call, "id": self.call_id(i, call.get("id"))} for i, call in enumerate(calls)]
         content = message.get("content")
-        if isinstance(content, str) and not content.strip():
-            adapted["content"] = None  # never shown (nor echoed): the committed message says what the agent saw
+        if isinstance(content, str):
+            # Shown without the whitespace around it (a blank text not at all): Gemini CLI keeps a text trimmed in
+            # its session file, so a resumed session echoes it so, and the committed message says what the agent
+            # saw (Qwen3's answer starts with the "\n\n" after its reasoning). The ids keep every token.
+            adapted["content"] = content.strip() or None
         return adapted
 
     def signature(self) -> str:
@@ -160,12 +163,18 @@ class GeminiResponder(TranslatedResponder):
         return self.chunk([{"text": reasoning, "thought": True}])
 
     def text_delta(self, text: str) -> bytes:
-        if self.held is None and not (self.pending_text + text).strip():
-            self.pending_text += text  # a blank text is never shown: held until text follows
+        # The text as `adapt` commits it, trimmed: whitespace before the first text is dropped, whitespace after
+        # the last held until text follows it (so never shown at the end).
+        if self.held is None:
+            text = text.lstrip()
+        pending = self.pending_text + text
+        shown = pending.rstrip()
+        if not shown:
+            self.pending_text = pending
             return b""
-        text, self.pending_text = self.pending_text + text, ""
+        self.pending_text = pending[len(shown) :]
         out = b"" if self.held is None else self.chunk([self.signed_part({"text": self.held})])
-        self.held = text
+        self.held = shown
         return out
 
     def call_delta(self, call: dict[str, Any]) -> bytes:

@@ -1,6 +1,7 @@
 """Gemini's contents as canonical chat messages, one native content at a time (the rules are in `gemini_generate`).
 
-A content's translation depends on that content and its position alone, so a request that extends one read before
+A content's translation depends on that content, its position and the contents before it alone (a user content's
+responses without ids take the ids of the calls before them), so a request that extends one read before
 (`known_requests`) reuses the earlier contents' translations (`translated_api.ItemTranslation`). A model content's
 reasoning is what its thought signature seals (ours, for exactly that reasoning), else its thought parts' text.
 """
@@ -8,12 +9,14 @@ reasoning is what its thought signature seals (ours, for exactly that reasoning)
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from typing import Any
 
 from tito_addon.protocols.gemini_models import Content, FunctionResponse, Part
 from tito_addon.protocols.translated_api import ChatTranslation, ItemTranslation
 from tito_addon.protocols.turn_refs import TurnSigner
+from tito_addon.tito_errors import BadRequest
 
 THOUGHT_PURPOSE = "gemini-thought"
 # What Gemini CLI puts on a function call whose signature it lost: a placeholder, not a signature.
@@ -29,8 +32,16 @@ def seal_signature(signer: TurnSigner, reply_id: str, reasoning: str) -> str:
     return base64.b64encode(signer.seal_text(THOUGHT_PURPOSE, reply_id, reasoning).encode("ascii")).decode("ascii")
 
 
-def open_signature(signer: TurnSigner | None, signature: str) -> str | None:
-    """The reasoning a thought signature of ours seals; None for any other value."""
+def call_id_for(reply_id: str, position: int) -> str:
+    """The id of the call at `position` among a reply's calls, made from the reply's id: a client that echoes the call
+    without it (pi leaves ids out for Gemini models, whose API long had none) still names it, by the signature that
+    names the reply (`open_signature`) and the call's position."""
+    digest = hashlib.blake2b(f"{reply_id}\0{position}".encode(), digest_size=18).digest()
+    return "call_" + base64.urlsafe_b64encode(digest).decode("ascii").replace("-", "x").replace("_", "y")
+
+
+def open_signature(signer: TurnSigner | None, signature: str) -> tuple[str, str] | None:
+    """(reply id, reasoning) that a thought signature of ours seals; None for any other value."""
     if signer is None:
         return None
     try:
@@ -39,7 +50,7 @@ def open_signature(signer: TurnSigner | None, signature: str) -> str | None:
         opened = signer.open_text(THOUGHT_PURPOSE, raw.decode("ascii"))
     except ValueError:
         return None
-    return opened[1] if opened is not None else None
+    return opened
 
 
 def response_text(response: FunctionResponse) -> str:
@@ -56,12 +67,16 @@ def arguments_text(args: dict[str, Any] | None) -> str:
     return json.dumps(args or {}, ensure_ascii=False)
 
 
-def translate_content(signer: TurnSigner | None, content: Content, where: str) -> ItemTranslation:
+def translate_content(
+    signer: TurnSigner | None, content: Content, where: str, calls: tuple[tuple[str, str], ...] = ()
+) -> ItemTranslation:
+    """`calls`: (id, name) of the calls of the model content before a user content, which its function responses
+    without ids answer in order."""
     translation = ContentsTranslation(signer)
     if content.role == "model":
         translation.model(0, content.parts, where)
     else:
-        translation.user(0, content.parts, where)
+        translation.user(0, content.parts, where, calls)
     return ItemTranslation(tuple(translation.messages), tuple(translation.dropped), None)
 
 
@@ -73,14 +88,39 @@ class ContentsTranslation(ChatTranslation):
         if texts:
             self.add(item, {"role": "system", "content": texts})
 
-    def user(self, item: int, parts: list[Part], where: str) -> None:
+    def user(self, item: int, parts: list[Part], where: str, calls: tuple[tuple[str, str], ...] = ()) -> None:
         """Function responses become tool messages, in order, then the text parts one user message (a chat
-        template wants the tool results right after the call)."""
+        template wants the tool results right after the call).
+
+        A resumed Gemini CLI session sends every function response of a content twice (it rebuilds the history
+        from its session file: `[A, A]`, `[A, B, A, B]`). A response that repeats an earlier one of the same
+        content exactly, id included, says nothing new and is left out (noted), so the resumed request reads as
+        the one the model answered. Only an id makes two responses one call's: two equal responses without ids
+        answer two calls (one function called twice alike) and both stay. A different response under an id
+        already answered is refused: which result the model is to read is not the proxy's to guess.
+
+        A response without an id (pi sends none for Gemini models) answers the call at its place among the `calls`
+        before it when that call has its name, and takes its id; else it is named by its function's name."""
         texts: list[dict[str, str]] = []
+        answered: dict[str, Part] = {}
+        unnamed = 0  # responses without an id so far
         for position, part in enumerate(parts):
             if part.functionResponse is not None:
                 response = part.functionResponse
-                call_id = response.id or response.name
+                if response.id is not None:
+                    earlier = answered.setdefault(response.id, part)
+                    if earlier is not part:
+                        if earlier != part:
+                            raise BadRequest(f"{where}.parts.{position}: a second, different functionResponse for "
+                                             f"call id {response.id!r}; nothing was forwarded")  # fmt: skip
+                        self.dropped.append(f"{where}.parts.{position}: a functionResponse repeating an earlier one "
+                                            "of this content exactly (left out)")  # fmt: skip
+                        continue
+                call_id = response.id
+                if call_id is None:
+                    paired = calls[unnamed] if unnamed < len(calls) else None
+                    call_id = paired[0] if paired is not None and paired[1] == response.name else response.name
+                    unnamed += 1
                 self.add(item, {"role": "tool", "tool_call_id": call_id, "content": response_text(response)})
             elif part.functionCall is not None:
                 self.dropped.append(f"{where}.parts.{position}: a functionCall in a user content (left out)")
@@ -93,7 +133,7 @@ class ContentsTranslation(ChatTranslation):
         thoughts: list[str] = []
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        sealed: str | None = None
+        sealed: tuple[str, str] | None = None
         for position, part in enumerate(parts):
             signature = part.thoughtSignature
             if signature is not None and signature != SKIP_SIGNATURE and sealed is None:
@@ -103,9 +143,7 @@ class ContentsTranslation(ChatTranslation):
                                         "nothing)")  # fmt: skip
             if part.functionCall is not None:
                 call = part.functionCall
-                # A call without an id is named by its position in the message: the agent echoes the call as it
-                # got it, and the id the proxy answered with is that one (`gemini_reply`).
-                calls.append({"id": call.id or f"{call.name}#{len(calls)}", "type": "function",
+                calls.append({"id": call.id, "type": "function",
                               "function": {"name": call.name, "arguments": arguments_text(call.args)}})  # fmt: skip
             elif part.functionResponse is not None:
                 self.dropped.append(f"{where}.parts.{position}: a functionResponse in a model content (left out)")
@@ -113,8 +151,14 @@ class ContentsTranslation(ChatTranslation):
                 thoughts.append(part.text or "")
             else:
                 texts.append(part.text or "")
+        for position, call in enumerate(calls):
+            if call["id"] is None:
+                # A call without an id has the one the proxy answered it with (`gemini_reply`) when the content's
+                # signature names our reply (a signature may follow the calls); else its name and position.
+                name = call["function"]["name"]
+                call["id"] = call_id_for(sealed[0], position) if sealed is not None else f"{name}#{position}"
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
-        reasoning = sealed if sealed is not None else "".join(thoughts)
+        reasoning = sealed[1] if sealed is not None else "".join(thoughts)
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
