@@ -98,8 +98,12 @@ class TurnRecord(BaseModel):
     completion_logprobs: list[float]
     assistant_message: dict[str, Any]
     finish_reason: str | None
+    # How many of `completion_ids` were reasoning (up to and with the family's end-of-thinking token), when any:
+    # replay has no tokenizer to count them, and the reply's usage says them (Gemini's `thoughtsTokenCount`,
+    # Responses' `reasoning_tokens`). Null on lines written before it was recorded.
+    reasoning_tokens: int | None = None
     ambiguous_parent: bool = False
-    # The agent API the turn came in (chat, anthropic_messages, openai_responses), the id its reply carried,
+    # The agent API the turn came in (chat, anthropic_messages, openai_responses, gemini), the id its reply carried,
     # the appended items in that API's own form (the canonical ones are `appended_messages`), and what the prompt
     # left out of the request (server tools, unreadable reasoning).
     api: str = "chat"
@@ -167,7 +171,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
-    "served_model": None, "follows": None, "call_reason": None,
+    "served_model": None, "follows": None, "call_reason": None, "reasoning_tokens": None,
 }  # fmt: skip
 
 

@@ -17,6 +17,8 @@ these is a new root: no stored turn's history is its prefix. The rules below pla
      `tool_argument`). Any user message: Codex puts its environment before the task;
   3. otherwise, in an automatic session it starts an episode of its own (`main`); in a named session the first root
      is `main`, and any later one a `side` call, with the reason.
+  A new root that is a compaction request (Gemini CLI sends its requests under a system instruction of their own)
+  is placed by these rules, its call `compaction`.
 - A compaction item the proxy minted (server-side compaction) names its summary turn exactly (how: `compaction_item`).
 
 Named sessions are episodes; an automatic session holds one episode per root it starts (a GRPO group's samples are
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage, parse_arguments
@@ -46,6 +48,10 @@ class CompactionPrompt:
 COMPACTION_PROMPTS = (
     CompactionPrompt("Claude Code", "Your task is to create a detailed summary of the conversation so far"),
     CompactionPrompt("Codex", "You are performing a CONTEXT CHECKPOINT COMPACTION"),
+    # Gemini CLI 0.61 asks for a <state_snapshot> under its compression system instruction, then asks again with the
+    # answer echoed, to check it, without the first instruction: each a new root, each a compaction.
+    CompactionPrompt("Gemini CLI", "Then, generate the updated <state_snapshot>."),
+    CompactionPrompt("Gemini CLI", "Critically evaluate the <state_snapshot> you just generated."),
 )
 # Tools whose argument is a sub-agent's first message, as the agent words it (Claude Code's task tool, Codex's agent
 # spawning): a new root that holds such an argument is that sub-agent even when the agent wraps it.
@@ -154,7 +160,17 @@ class EpisodeLinks:
     async def place_root(
         self, scope: str, messages: Sequence[ChatMessage], named: bool, first_root: bool
     ) -> EpisodePlace:
-        """The place of a new root (rules 1 to 3 of the module's docstring)."""
+        """The place of a new root (rules 1 to 3 of the module's docstring); a compaction request's call is
+        `compaction` wherever they place it."""
+        place = await self._linked_root(scope, messages, named, first_root)
+        compaction = compaction_prompt(messages)
+        if compaction is None:
+            return place
+        return replace(place, call="compaction", reason=f"{compaction.agent}'s compaction instruction")
+
+    async def _linked_root(
+        self, scope: str, messages: Sequence[ChatMessage], named: bool, first_root: bool
+    ) -> EpisodePlace:
         user_texts = [message.text() or "" for message in messages if message.role == "user"]
         for entry in await self.store.entries(scope, "summary"):
             if any(entry["text"] in text for text in user_texts):

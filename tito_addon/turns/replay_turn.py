@@ -83,6 +83,7 @@ class ReplayService:
             agent_bytes=None,
             matched_stop=None,
             headers=headers,
+            reasoning_tokens=found.reasoning_tokens or 0,
         )
         reply = responder.reply(outcome)
         reply.headers.update(headers)

@@ -31,6 +31,18 @@ def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def reasoning_tokens(completion_ids: list[int], message: dict[str, Any], end_id: int | None) -> int:
+    """How many of a completion's ids were its reasoning (the backend parsed some out of it): up to and with the
+    family's end-of-reasoning token (`TokenEngine.reasoning_end_id`), or all of them when the turn was cut off
+    before it."""
+    if end_id is None or not (message.get("reasoning_content") or message.get("reasoning")):
+        return 0
+    try:
+        return completion_ids.index(end_id) + 1
+    except ValueError:
+        return len(completion_ids)
+
+
 @dataclass(frozen=True)
 class CompletedTurn:
     """A turn the backend finished: its record line, and what it adds to its session's tree."""
@@ -93,6 +105,7 @@ def completed_turn(
         "completion_logprobs": result.completion_logprobs,
         "assistant_message": result.message,
         "finish_reason": result.finish_reason,
+        "reasoning_tokens": reasoning_tokens(result.completion_ids, result.message, engine.reasoning_end_id) or None,
         "ambiguous_parent": prepared.attachment.ambiguous and parent is not None,
         "api": prepared.route.api.name,
         "reply_id": reply_id or None,

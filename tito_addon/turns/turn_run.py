@@ -20,18 +20,6 @@ from tito_addon.turns.turn_replies import matched_stop
 from tito_addon.turns.turn_types import PreparedTurn
 
 
-def reasoning_tokens(completion_ids: list[int], message: dict[str, Any], end_id: int | None) -> int:
-    """How many of a completion's ids were its reasoning (the backend parsed some out of it): up to and with the
-    family's end-of-reasoning token (`TokenEngine.reasoning_end_id`), or all of them when the turn was cut off
-    before it."""
-    if end_id is None or not (message.get("reasoning_content") or message.get("reasoning")):
-        return 0
-    try:
-        return completion_ids.index(end_id) + 1
-    except ValueError:
-        return len(completion_ids)
-
-
 @dataclass
 class TurnRun:
     prepared: PreparedTurn
@@ -41,7 +29,6 @@ class TurnRun:
     sessions: SessionRecords
     # The turn's record line for the backend's result and its cut budget, once its session and turn id are settled.
     record: Callable[[BackendResult, dict | None, str, int], CompletedTurn]
-    reasoning_end_id: int | None = None  # the family's end-of-reasoning token (`reasoning_tokens`)
     budget: dict | None = None  # the completion budget as cut to the backend's context, when it was
     released: bool = False
 
@@ -74,7 +61,7 @@ class TurnRun:
             agent_bytes=result.agent_bytes,
             matched_stop=matched_stop(result.agent_body),
             headers=tito_headers,
-            reasoning_tokens=reasoning_tokens(result.completion_ids, result.message, self.reasoning_end_id),
+            reasoning_tokens=done.fields.get("reasoning_tokens") or 0,
         )
         return metadata, outcome
 

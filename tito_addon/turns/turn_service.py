@@ -326,7 +326,7 @@ class TurnService:
             )
 
         backend_turn = self.backend_turn(prepared, headers, base_url)
-        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, record, self.engine.reasoning_end_id)
+        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, record)
 
     async def fit(self, run: TurnRun) -> None:
         """Cut the turn's completion budget to what the backend's context leaves after the prompt (asked of the
