@@ -12,7 +12,7 @@ import aiohttp
 import pyarrow.parquet as pq
 import pytest
 from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
+from proxy_harness import REPO, Mitmdump, post
 from test_proxy_modes import AGENT
 
 from tito_addon.client import AsyncTitoClient, TitoClient, TitoControlError, episode_api_key, episode_proxy_url
@@ -172,6 +172,57 @@ def test_reverse_mode_episodes_by_api_key(replica, tmp_path: Path) -> None:
             assert tito.session("ep-r")["turns"] == 3
     text = proxy.output() + "".join(p.read_text() for p in record_dir.glob("*.jsonl"))
     assert key not in text and BACKEND_KEY not in text
+
+
+def test_a_drivers_name_wins_over_the_agents_own_session_header(replica, tmp_path: Path) -> None:
+    """opencode sends `X-Session-Id: ses_…` (its own session id) on every request: the episode its API key names, and
+    a `/sessions/{id}/` base URL, name the session all the same; the header names it only when nothing else does."""
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    options = {"tito_session_api_key_prefix": KEY_PREFIX, "tito_backend_api_key": BACKEND_KEY}
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  options=options) as proxy:  # fmt: skip
+        own = {"X-Session-Id": "ses_own", "x-session-affinity": "ses_own"}  # as opencode 1.18.33 sends them
+        keyed = {**own, "Authorization": "Bearer " + episode_api_key(KEY_PREFIX, "oc-ep")}
+        for path, headers in (
+            ("/v1/chat/completions", keyed),
+            ("/sessions/by-path/v1/chat/completions", keyed),
+            ("/sessions/by-path/v1/chat/completions", {**own, "Authorization": "Bearer sk-agent"}),
+            ("/v1/chat/completions", {**own, "Authorization": "Bearer sk-agent"}),
+        ):
+            body = {"model": "m", "messages": [{"role": "user", "content": f"Hello via {path}"}]}
+            reply = post(proxy.url + path, json=body, headers=headers)
+            assert reply.status_code == 200, reply.text
+    named = {name: read_session(record_dir, name) for name in ("oc-ep", "by-path", "ses_own")}
+    assert {name: len(s.turns) if s else 0 for name, s in named.items()} == {"oc-ep": 1, "by-path": 2, "ses_own": 1}
+    seen = [h.get("Authorization") or h.get("authorization") for h in replica.backend.received_headers]
+    assert seen == [f"Bearer {BACKEND_KEY}"] * 2 + ["Bearer sk-agent"] * 2
+
+
+def test_the_backend_gets_its_key_as_a_bearer_whatever_header_named_the_episode(replica, tmp_path: Path) -> None:
+    """An episode key in `x-api-key` (Anthropic clients) or `x-goog-api-key` (Gemini clients) names the episode as
+    one in `Authorization` does, and the backend's key goes to the backend as `Authorization: Bearer`, the one header
+    sglang's and vLLM's `--api-key` read; no episode key and no other key header reaches it."""
+    replica.backend.reset()
+    record_dir = tmp_path / "rec"
+    options = {"tito_session_api_key_prefix": KEY_PREFIX, "tito_backend_api_key": BACKEND_KEY}
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                  options=options) as proxy:  # fmt: skip
+        messages = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Hello, Messages."}]}
+        gemini = {"contents": [{"role": "user", "parts": [{"text": "Hello, Gemini."}]}]}
+        for path, body, header in (
+            ("/v1/messages", messages, "x-api-key"),
+            ("/v1beta/models/m:generateContent", gemini, "x-goog-api-key"),
+        ):
+            key = episode_api_key(KEY_PREFIX, f"by-{header}")
+            reply = post(proxy.url + path, json=body, headers={header: key})
+            assert reply.status_code == 200, reply.text
+    for header in ("x-api-key", "x-goog-api-key"):
+        session = read_session(record_dir, f"by-{header}")
+        assert session is not None and len(session.turns) == 1, header
+    seen = [{k.lower(): v for k, v in h.items()} for h in replica.backend.received_headers]
+    keys = [{name: h[name] for name in ("authorization", "x-api-key", "x-goog-api-key") if name in h} for h in seen]
+    assert keys == [{"authorization": f"Bearer {BACKEND_KEY}"}] * 2, keys
 
 
 def test_id_less_grpo_siblings_share_an_automatic_group(replica, tmp_path: Path) -> None:

@@ -8,13 +8,14 @@ or its API key.
   the credentials and leaves us the user name in `flow.metadata["proxyauth"]`).
 - Reverse mode (or any mode): an API key of the form `tito_session_api_key_prefix` + EPISODE, in
   `Authorization: Bearer …` (OpenAI SDKs, Codex, Claude Code's `ANTHROPIC_AUTH_TOKEN`) or `x-api-key` (Claude Code's
-  `ANTHROPIC_API_KEY`) or `x-goog-api-key` (Gemini CLI's `GEMINI_API_KEY`, the google-genai SDK). It is replaced by
-  `tito_backend_api_key` (or removed when that is empty) before the flow goes
-  anywhere, so the backend sees the real key and no recording, flow file or log sees either: flows to hosts that are
-  not backends lose the episode key and never get the backend's.
+  `ANTHROPIC_API_KEY`) or `x-goog-api-key` (Gemini CLI's `GEMINI_API_KEY`, the google-genai SDK). It is removed
+  before the flow goes anywhere, and `tito_backend_api_key` (when set) sent as `Authorization: Bearer` (the header
+  sglang and vLLM read), so the backend sees the real key and no recording, flow file or log sees either: flows to
+  hosts that are not backends lose the episode key and never get the backend's.
 
-The name lands in `flow.metadata["tito_episode"]`; the capture addon uses it as the session id when the request
-names none itself (the session header or a `/sessions/{id}/` base URL win).
+The name lands in `flow.metadata["tito_episode"]`; the capture addon uses it as the session id unless a
+`/sessions/{id}/` base URL names one. It wins over the session header: agents send that header of their own accord
+(opencode: `X-Session-Id` with its own session id on every request), and the driver's name must not be lost.
 """
 
 from __future__ import annotations
@@ -139,7 +140,10 @@ class EpisodeNaming:
         return credentials[0]
 
     def _rewrite_key(self, flow: http.HTTPFlow) -> str | None:
-        """The episode an API key names (None: no episode key); the key replaced by the backend's, or removed."""
+        """The episode an API key names (None: no episode key); every episode key removed, and the backend's key
+        put in `Authorization: Bearer`, whichever header the agent used: sglang's and vLLM's `--api-key` read that
+        header alone, and every call the proxy makes to them (a translated Messages or Gemini turn too) carries the
+        agent's headers."""
         if not self.key_prefix:
             return None
         episode = None
@@ -150,16 +154,15 @@ class EpisodeNaming:
                 continue
             kept = []
             for value in values:
-                scheme, bearer = ("Bearer ", value[7:]) if value[:7].lower() == "bearer " else ("", value)
-                bearer = bearer.strip()
-                if not bearer.startswith(self.key_prefix):
+                bearer = (value[7:] if value[:7].lower() == "bearer " else value).strip()
+                if bearer.startswith(self.key_prefix):
+                    episode = episode or bearer[len(self.key_prefix) :]
+                else:
                     kept.append(value)
-                    continue
-                episode = episode or bearer[len(self.key_prefix) :]
-                if self.backend_key and self.is_backend(flow):
-                    kept.append(scheme + self.backend_key)
             if kept:
                 headers.set_all(name, kept)
             else:
                 del headers[name]
+        if episode is not None and self.backend_key and self.is_backend(flow):
+            headers["authorization"] = "Bearer " + self.backend_key
         return episode

@@ -117,8 +117,8 @@ class TurnService:
         self, path: str, headers: dict[str, str], body: bytes, base_url: str, episode: str | None = None
     ) -> HttpReply:
         """Serve one agent request. Never raises: every outcome is an HTTP reply in the agent's own API.
-        `episode`: the session a rollout driver named through the proxy (its user name or API key), used when the
-        request names none itself."""
+        `episode`: the session a rollout driver named through the proxy (its user name or API key), used unless the
+        request's `/sessions/{id}/` path names one (it wins over the session header)."""
         route = self.route(path)
         if route is None:
             return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
@@ -175,12 +175,16 @@ class TurnService:
         route = route or self.route(path)
         if route is None:
             raise BadRequest(f"not an agent API path: {path}")
-        session_id = checked_session_id(headers.get(self.session_header), f"header {self.session_header}")
+        header_id = checked_session_id(headers.get(self.session_header), f"header {self.session_header}")
         path_id = route.path_session_id
         path_id = checked_session_id(unquote(path_id), "path") if path_id is not None else None
-        session_id = session_id if session_id is not None else path_id
+        # The names a rollout driver gives (a `/sessions/{id}/` base URL, then the proxy user or API key) win over
+        # the session header, which agents also send of their own accord: opencode sends `X-Session-Id` with its
+        # own session id on every request, and would otherwise hide the driver's episode.
+        session_id = path_id
         if session_id is None and episode is not None:
             session_id = checked_session_id(episode, "the episode name (proxy user or API key)")
+        session_id = session_id if session_id is not None else header_id
         agent = route.api.parse(body, route.action, route)
         request = agent.chat
         self.backend.check_request(request)
