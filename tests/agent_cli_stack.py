@@ -58,8 +58,8 @@ BINARIES = {
 }
 MARKER = "tito-ok"
 # The shell command the model runs: the marker and the network namespace the command ran in, which proves that the
-# CLI (whose child it is) ran in the test's namespace.
-COMMAND = f"echo {MARKER} $(readlink /proc/self/ns/net)"
+# CLI (whose child it is) ran in the test's namespace. A pipe, not `$(…)`: Gemini CLI refuses command substitution.
+COMMAND = f"readlink /proc/self/ns/net | xargs echo {MARKER}"
 TOOL_ROUNDS = 3  # tool turns per prompt, then the answer
 CLI_TIMEOUT_S = 180
 # Codex's $CODEX_HOME/config.toml: the proxy as a Responses provider; its update check, analytics and feedback off.
@@ -261,25 +261,36 @@ def text_of(content: Any) -> str:
     return str(content or "")
 
 
+def chains_of(session: Any) -> list[list]:
+    """A recorded session's turns, one list per root: the turns that descend from it, in record order."""
+    roots: dict[int, int] = {}  # turn id -> its root's
+    chains: dict[int, list] = {}
+    for turn in session.turns:
+        root = turn.turn_id if turn.parent_turn_id is None else roots[turn.parent_turn_id]
+        roots[turn.turn_id] = root
+        chains.setdefault(root, []).append(turn)
+    return list(chains.values())
+
+
 def assert_exact_chain(
     proxy: Mitmdump, replica: ReplicaThread, api: str, printed: str, *, invocations: int = 1, side_calls: bool = False
 ) -> list:
-    """The CLI's main session is one chain in which every request extends the previous turn's exact ids, holding
-    TOOL_ROUNDS real tool round trips per invocation (each result holding what the shell `printed`) and then the
-    answer that ended it; a later invocation continues the earlier one. Every other recorded turn (a title or summary
-    side call, allowed only with `side_calls`) is token exact too and calls no tool. Returns the main chain's turns."""
+    """The CLI's main chain (the one root whose turns call tools) is one line of turns in which every request extends
+    the previous turn's exact ids, holding TOOL_ROUNDS real tool round trips per invocation (each result holding what
+    the shell `printed`) and then the answer that ended it; a later invocation continues the earlier one. Every other
+    recorded turn (a title or summary side call, in a session of its own or the main chain's, allowed only with
+    `side_calls`) is token exact too and calls no tool. Returns the main chain's turns."""
     # Nothing was refused or failed on the way: a CLI retries a failed request, which would hide it from the records.
     refused = re.findall(r"<< ([45]\d\d\b.*)", proxy.output())
     assert not refused, (refused, proxy.output()[-6000:])
     assert_token_exact(proxy.record_dir, replica)  # ids on disk == ids the replica got and generated, every session
-    files = list(iter_session_files(proxy.record_dir))
-    mains = [f for f in files if any(t.finish_reason == "tool_calls" for t in f.turns)]
-    assert len(mains) == 1, [(f.path.name, [t.finish_reason for t in f.turns]) for f in files]
-    main = mains[0]
-    assert side_calls or len(files) == 1, [f.path.name for f in files]
-    turns = main.turns
+    chains = [(f, chain) for f in iter_session_files(proxy.record_dir) for chain in chains_of(f)]
+    mains = [(f, chain) for f, chain in chains if any(t.finish_reason == "tool_calls" for t in chain)]
+    assert len(mains) == 1, [(f.path.name, [t.finish_reason for t in chain]) for f, chain in chains]
+    (main, turns), sides = mains[0], [chain for _, chain in chains if chain is not mains[0][1]]
+    assert side_calls or not sides, [[t.turn_id for t in chain] for chain in sides]
     assert all(turn.api == api for turn in turns), {turn.api for turn in turns}
-    # A chain: each turn's parent is the turn before it (the previous request of the agent, nothing branched).
+    # A line: each turn's parent is the turn before it (the previous request of the agent, nothing branched).
     assert [t.parent_turn_id for t in turns] == [None, *[t.turn_id for t in turns[:-1]]]
     # Independently of the records: each prompt of the chain the replica received starts with the previous prompt +
     # completion (the replica's own log, in the order it answered, the side calls' entries left out).
@@ -304,7 +315,21 @@ def assert_exact_chain(
     assert round_trips == invocations * TOOL_ROUNDS >= 2, [t.finish_reason for t in turns]
     # Each invocation: TOOL_ROUNDS tool turns, then the answer that ended it; the next hangs off that answer.
     assert [t.finish_reason for t in turns] == (["tool_calls"] * TOOL_ROUNDS + ["stop"]) * invocations
-    for other in files:
-        if other is not main:
-            assert all(t.finish_reason != "tool_calls" for t in other.turns), other.path.name
+    for chain in sides:
+        assert all(t.finish_reason != "tool_calls" for t in chain), [t.turn_id for t in chain]
     return turns
+
+
+def assert_backend_saw_only_its_key(
+    proxy: Mitmdump, replica: ReplicaThread, backend_key: str, episode_key: str
+) -> None:
+    """Every request the backend got carries its own key as `Authorization: Bearer` (what sglang's and vLLM's
+    `--api-key` read), whichever header the agent put its episode key in, and no other key header; the episode's key
+    is in no proxy log or recorded file."""
+    headers = [{k.lower(): v for k, v in h.items()} for h in replica.backend.received_headers]
+    assert len(headers) == len(replica.received())
+    keys = [{name: h[name] for name in ("authorization", "x-api-key", "x-goog-api-key") if name in h} for h in headers]
+    assert keys == [{"authorization": f"Bearer {backend_key}"}] * len(headers), keys
+    assert episode_key not in proxy.output()
+    for path in proxy.record_dir.rglob("*"):
+        assert not path.is_file() or episode_key.encode() not in path.read_bytes(), path
