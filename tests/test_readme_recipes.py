@@ -1,14 +1,15 @@
 """The README's Getting started, run as written: every block marked `<!-- recipe: NAME -->` is run by bash, word for
-word, in a scratch view of the repository (its entries linked, `recordings/` and the Codex home its own) beside the
-workspace's `shared/`, inside a fresh network namespace that holds only loopback, so the recipes' fixed ports are
-free and nothing they do can leave the machine.
+word, in a scratch view of the repository (its entries linked, `recordings/` and the Codex and Gemini CLI homes its
+own) beside the workspace's `shared/`, inside a fresh network namespace that holds only loopback, so the recipes'
+fixed ports are free and nothing they do can leave the machine.
 
 The blocks, in order: `install` (make venv, make agent-clis and make demo: no-ops or offline once installed, which
 the `agent_clis` fixture does outside the namespace), then `terminal` before each of the others, as the README asks
 of every terminal; `backend` and `proxy` run in the background until the end; `openai-python`, `claude-code`
-(Claude Code 2.1.332) and `codex` (Codex 0.171.0 with `-m qwen3` and `-m gpt-oss-20b`) each capture a session
-named by its API key; `look` shows, exports and audits them. Codex without `-m` (its default model) is the codex
-block's own command with `-m` taken out: it must get the 400 the README describes, and record nothing.
+(Claude Code 2.1.332), `codex` (Codex 0.171.0 with `-m qwen3` and `-m gpt-oss-20b`) and `gemini-cli` (Gemini CLI
+0.61.0) each capture a session named by its API key; `look` shows, exports and audits them. Codex without `-m` (its
+default model) is the codex block's own command with `-m` taken out: it must get the 400 the README describes, and
+record nothing.
 
 What is checked: every block's exit status; each agent's session on disk token exact against what the backend
 process says it generated (`GET /_replica/generated`), one chain of exact ids with three tool round trips per
@@ -41,14 +42,14 @@ from tito_addon.records.record_reader import iter_session_files
 
 README = REPO / "README.md"
 RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\n```bash\n(.*?)```", re.S)
-RECIPES = ["install", "terminal", "backend", "proxy", "openai-python", "claude-code", "codex", "look"]
+RECIPES = ["install", "terminal", "backend", "proxy", "openai-python", "claude-code", "codex", "gemini-cli", "look"]
 BACKEND, PROXY = 30000, 8080  # the recipes' own ports
 SESSIONS = {"weather": "chat", "claude": "anthropic_messages", "codex": "openai_responses",
-            "codex-oss": "openai_responses"}  # fmt: skip
+            "codex-oss": "openai_responses", "gemini": "gemini"}  # fmt: skip
 TOOL_ROUNDS = 3  # the backend recipe's --tool-rounds
 BLOCK_TIMEOUT_S = 240
 # Entries of the repository the scratch view does not link: what the recipes write, and what they must not see.
-OWN = {".git", "recordings", "codex-home", "rows.parquet", "build"}
+OWN = {".git", "recordings", "codex-home", "gemini-home", "rows.parquet", "build"}
 
 
 def getting_started() -> str:
@@ -62,12 +63,15 @@ def recipes() -> dict[str, str]:
     return dict(found)
 
 
+AGENTS = ("openai-python", "Claude Code", "Codex", "Gemini CLI")  # the table's rows that recipes run
+
+
 def agent_rows() -> dict[str, str]:
     """The episode-naming table's rows, by agent."""
     rows = {}
     for line in README.read_text().splitlines():
         cells = line.split(" | ")
-        if line.startswith("| ") and len(cells) == 2 and cells[0][2:] in ("openai-python", "Claude Code", "Codex"):
+        if line.startswith("| ") and len(cells) == 2 and cells[0][2:] in AGENTS:
             rows[cells[0][2:]] = cells[1]
     return rows
 
@@ -177,9 +181,10 @@ def test_readme_recipes_agree_with_the_agent_table() -> None:
     """Cheap, and first: the table's rows name what the recipes run (the variables, the Codex config keys)."""
     blocks, rows = recipes(), agent_rows()
     assert list(blocks) == RECIPES, list(blocks)
-    assert sorted(rows) == ["Claude Code", "Codex", "openai-python"], rows
+    assert sorted(rows) == sorted(AGENTS), rows
     for agent, recipe, episode in (("openai-python", "openai-python", "weather"), ("Claude Code", "claude-code",
-                                   "claude"), ("Codex", "codex", "codex")):  # fmt: skip
+                                   "claude"), ("Codex", "codex", "codex"), ("Gemini CLI", "gemini-cli",
+                                   "gemini")):  # fmt: skip
         reverse = rows[agent][rows[agent].index("reverse:") :]
         spans = re.findall(r"`([^`]+)`", reverse)
         settings = [word for span in spans for word in re.findall(r"\b[A-Z_]+=\S+|\b[a-z_]+ = \"[^\"]*\"", span)]
@@ -209,7 +214,8 @@ def test_getting_started_runs_as_written(network: Network, agent_clis: Path, tmp
             up = wait_until(lambda p=port, pr=process: pr.poll() is not None or scratch.listening(p), timeout=90)
             assert up and process.poll() is None, (name, scratch.log(name)[-4000:])
 
-        runs = {name: scratch.run(name, blocks[name]) for name in ("openai-python", "claude-code", "codex")}
+        agents = ("openai-python", "claude-code", "codex", "gemini-cli")
+        runs = {name: scratch.run(name, blocks[name]) for name in agents}
         for name, result in runs.items():
             assert result.returncode == 0, (name, ran(result), scratch.log("proxy")[-4000:])
 
@@ -264,7 +270,7 @@ def test_getting_started_runs_as_written(network: Network, agent_clis: Path, tmp
     assert recorded == len(generated)  # nothing else reached the backend, nothing was recorded twice
 
     # `ls` in the repository root: the CLIs' tool results list what is there.
-    for session_id in ("claude", "codex", "codex-oss"):
+    for session_id in ("claude", "codex", "codex-oss", "gemini"):
         results = [m for t in files[session_id].turns for m in t.appended_messages or [] if m.get("role") == "tool"]
         assert results and all("README.md" in text_of(m.get("content")) for m in results), (session_id, results)
 
