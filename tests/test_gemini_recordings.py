@@ -8,15 +8,14 @@ CLI's compression its compaction, followed by the context rebuilt from it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import tokenizer_path
 from google import genai
 from google.genai import errors, types
-from proxy_harness import REPO, Mitmdump, post
+from proxy_harness import Mitmdump, post
+from test_agent_api_recordings import run_cli
 from test_anthropic_messages import assert_token_exact
 from test_gemini_api import THOUGHTS, TOOLS, results
 from test_replay import replay_proxy
@@ -151,14 +150,6 @@ def recorded(tmp_path_factory):
     ]  # fmt: skip
     return {"dir": record_dir, "replies": replies, "contents": contents, "turns": turns, "generated": generated,
             "headers": headers, "log": log}  # fmt: skip
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", *args], cwd=REPO, capture_output=True, text=True, timeout=180
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def test_the_key_names_the_episode_and_each_call_is_placed_in_it(recorded) -> None:
