@@ -21,13 +21,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The real Claude Code and Codex, pinned by tests/agent_clis/package-lock.json: installed again only when the lock is
-# newer than what npm last installed (npm ci writes node_modules/.package-lock.json).
+# The real agent CLIs, pinned by tests/agent_clis/package-lock.json: installed again only when the lock is newer than
+# what npm last installed (npm writes node_modules/.package-lock.json). `npm install`, not `npm ci`: the lock holds the
+# platform packages the registry serves here (opencode's and a clipboard library's for other systems are not served,
+# so they are not in it), which `npm ci` takes for a lock out of step with package.json; install keeps to the lock.
 CLIS := tests/agent_clis
 agent-clis: $(CLIS)/node_modules/.package-lock.json
 
 $(CLIS)/node_modules/.package-lock.json: $(CLIS)/package-lock.json
-	cd $(CLIS) && npm ci --no-audit --no-fund
+	cd $(CLIS) && npm install --no-audit --no-fund
 
 demo: $(STAMP)
 	$(PY) -m tito_addon demo

@@ -1,7 +1,7 @@
 """The stack every real agent CLI test runs on: a loopback-only network namespace, the pinned CLIs, the sglang replica
 inside the namespace, a mitmdump there, and the checks that a CLI's session is one token-exact chain of tool rounds.
 
-Pinned in tests/agent_clis/package.json (installed by the `agent_clis` fixture with `npm ci` when missing or stale):
+Pinned in tests/agent_clis/package.json and its lock (installed by the `agent_clis` fixture when missing or stale):
 - `@anthropic-ai/claude-code` 2.1.332: declares Node >= 22, but `claude` is the native linux-x64 binary of its
   platform package and runs under Node 20 (npm only warns about the engine).
 - `@openai/codex` 0.171.0: `codex` is a Node launcher (Node >= 16) for the native binary of `@openai/codex-linux-x64`.
@@ -181,8 +181,10 @@ def agent_clis() -> Path:
     bin_dir = CLI_DIR / "node_modules" / ".bin"
     stale = any(installed_version(package) != version for package, version in PINNED.items())
     if stale or not all((bin_dir / name).exists() for name in BINARIES):
-        # `npm ci` starts from an empty node_modules and installs exactly the lock (with the platform binaries).
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=CLI_DIR, check=True, timeout=600)
+        # The lock's versions (with the platform binaries). `npm install`, not `npm ci`: the lock lacks the platform
+        # packages this registry does not serve (opencode's for other systems), which `npm ci` refuses as a lock out of
+        # step; the top-level versions are checked below.
+        subprocess.run([npm, "install", "--no-audit", "--no-fund"], cwd=CLI_DIR, check=True, timeout=600)
     # The binaries themselves run here and are the pinned releases.
     env = {**os.environ, "PATH": os.pathsep.join([str(bin_dir), os.path.dirname(node), os.environ.get("PATH", "")])}
     for name, package in BINARIES.items():
