@@ -1,8 +1,9 @@
 """Long episodes of the real Claude Code and Codex, unmodified, through a real mitmdump to the sglang replica: tens of
 tool round trips, automatic compactions forced by the CLIs' own window settings and tool output large enough to fill
-it, an explicit compaction and a sub-agent. Every request answered 200, every turn token exact against what the
-replica received and generated, every segment linked into one episode (`episode`, `call`, `follows`), and the
-exported rows, one per segment, equal the replica's ids with the episode's reward on each.
+it, an explicit compaction and a sub-agent; and Gemini CLI's own chat compression, twice, across resumed runs. Every
+request answered 200, every turn token exact against what the replica received and generated, every segment linked
+into one episode (`episode`, `call`, `follows`), and the exported rows, one per segment, equal the replica's ids with
+the episode's reward on each.
 
 The stack (a loopback-only network namespace, the pinned CLIs, the replica inside the namespace) is
 tests/agent_cli_stack.py's; what the CLIs send in these episodes is measured in the README's "Episodes".
@@ -25,10 +26,12 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     base_env,
     network,
     run_cli,
+    text_of,
 )
 from conftest import tokenizer_path
 from proxy_harness import REPO
 from test_anthropic_messages import assert_token_exact
+from test_gemini_recordings import COMPRESSION_MODEL
 
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import iter_session_files
@@ -63,7 +66,7 @@ def fresh(replica) -> None:
     """The module's replica as a test finds it: its log empty, its script steered by no earlier test."""
     replica.backend.reset()
     defaults = ReplicaConfig.model_fields
-    for knob in ("preferred_tools", "tool_rounds", "tool_budget", "summary_markers"):
+    for knob in ("preferred_tools", "tool_rounds", "tool_budget", "summary_markers", "summary_text"):
         field = defaults[knob]
         value = field.default_factory() if field.default_factory is not None else field.default
         setattr(replica.backend.config, knob, value)
@@ -92,9 +95,14 @@ def shown(record_dir: Path) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-def assert_linked_episode(record_dir: Path, episode: str, agent: str) -> tuple[list, list[dict]]:
+def assert_linked_episode(
+    record_dir: Path, episode: str, agent: str, root_compactions: bool = False
+) -> tuple[list, list[dict]]:
     """One session, the episode's name on every turn; every root but the first follows a compaction's summary
-    turn or the tool call that spawned it; every compaction turn's reason names the agent."""
+    turn or the tool call that spawned it; every compaction turn's reason names the agent. `root_compactions`: the
+    agent's compaction requests are roots of their own (Gemini CLI's run under a system instruction of their own),
+    not branches of a main turn: in the episode by its name, a first compaction's following nothing, a later one's
+    the summary turn their history starts from."""
     (session_file,) = list(iter_session_files(record_dir))
     turns = {t.turn_id: t for t in session_file.turns}
     rows = shown(record_dir)
@@ -102,6 +110,11 @@ def assert_linked_episode(record_dir: Path, episode: str, agent: str) -> tuple[l
     roots = [t for t in session_file.turns if t.parent_turn_id is None]
     assert roots[0].call == "main" and roots[0].follows is None
     for root in roots[1:]:
+        if root_compactions and root.call == "compaction":
+            # The first compaction's requests hold no summary; a later one's hold the summary it continued from.
+            assert root.follows is None or (root.follows.how == "summary" and turns[root.follows.turn_id].call
+                                            == "compaction"), root  # fmt: skip
+            continue
         assert root.follows is not None and root.follows.session == episode, root
         followed = turns[root.follows.turn_id]
         if root.follows.how in ("summary", "compaction_item"):
@@ -114,6 +127,8 @@ def assert_linked_episode(record_dir: Path, episode: str, agent: str) -> tuple[l
     for turn in session_file.turns:
         if turn.call == "compaction":
             assert turn.call_reason in (f"{agent}'s compaction instruction", SERVED)
+            if root_compactions and turn.parent_turn_id is None:
+                continue
             assert turn.parent_turn_id is not None and turns[turn.parent_turn_id].call == "main"
     return session_file.turns, rows
 
@@ -323,3 +338,107 @@ def test_a_claude_code_episode_through_two_proxies_sharing_redis(network, agent_
     assert len([t for t in turns if t.follows is not None and t.follows.how == "summary"]) >= 2
     parts = sorted(p.name for p in record_dir.glob("cc-pair*.jsonl"))
     assert len(parts) == 2, parts  # both proxies served turns of the episode
+
+
+# Gemini CLI refuses command substitution (`$(…)`): the namespace through a pipe. ~14k characters (and Qwen3 tokens)
+# a result, so a resumed history of four of them passes the compression threshold below.
+GEMINI_NUMBERS = "seq 100000 102000; readlink /proc/self/ns/net | xargs echo tito-ok"
+GEMINI_SMALL = "readlink /proc/self/ns/net | xargs echo tito-ok"
+# Gemini CLI compresses before a request once the last prompt's token count reaches compressionThreshold times its
+# window, 1048576 for a model it does not know (`qwen3`): 0.012 is ~12.6k tokens. A resumed session counts its
+# history by characters (/4, each function response twice): the large results pass it. The rebuilt context, counted
+# by the replica's usage (the ~10.6k-token system instruction and tools, small results), stays under it: one
+# compression, not one before every request (it would compress the snapshot alone again and again).
+GEMINI_SETTINGS = {
+    "security": {"auth": {"selectedType": "gemini-api-key"}},
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+    "model": {"compressionThreshold": 0.012},
+}
+SNAPSHOT = "Then, generate the updated <state_snapshot>."
+CHECK = "Critically evaluate the <state_snapshot> you just generated."
+
+
+def last_user_text(turn) -> str:
+    return next(text_of(m.get("content")) for m in reversed(turn.appended_messages) if m["role"] == "user")
+
+
+def test_a_gemini_cli_episode_is_one_linked_episode(network, agent_clis, replica, tmp_path: Path) -> None:  # noqa: F811
+    """Gemini CLI's own chat compression, automatic, twice: four rounds of large shell output, then the session resumed
+    past its compression threshold: a <state_snapshot> request and its check, each a new root under the compression
+    system instruction, placed `compaction`, then the context rebuilt from the checked snapshot, which follows the
+    check turn and continues `main` (small rounds, then a resumed run with larger output); resumed once more, the
+    same again, its compaction requests following the first snapshot they hold. The episode is named by the API key."""
+    record_dir, project = tmp_path / "rec", tmp_path / "project"
+    with episode_proxy(network, replica, tmp_path) as proxy:
+        home = tmp_path / "home"
+        (home / ".gemini").mkdir(parents=True)
+        (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS))
+        env = base_env(home, agent_clis, GOOGLE_GEMINI_BASE_URL=proxy.url, GEMINI_API_KEY=KEY_PREFIX + "gm-long",
+                       GEMINI_SANDBOX="false", GEMINI_CLI_TRUST_WORKSPACE="true")  # fmt: skip
+        gemini = [str(agent_clis / "gemini"), "-m", "qwen3", "--approval-mode", "yolo", "--output-format",
+                  "stream-json"]  # fmt: skip
+        resume = ["--resume", "latest"]
+        # Both of its compression requests hold <state_snapshot> in their last user message: answered as summaries.
+        replica.backend.config.summary_markers = ("<state_snapshot>",)
+        steer(replica, {"run_shell_command": {"command": GEMINI_NUMBERS}}, 3)
+        runs = [run_cli(network, [*gemini, "-p", "Print the numbers with the shell."], env=env, cwd=project)]
+        steer(replica, {"run_shell_command": {"command": GEMINI_SMALL}}, 3)
+        runs.append(run_cli(network, [*gemini, "-p", "Check the folder again.", *resume], env=env, cwd=project))
+        # One round whose two results (the replica's parallel turn) pass the threshold again once resumed.
+        steer(replica, {"run_shell_command": {"command": GEMINI_NUMBERS.replace("102000", "104000")}}, 1)
+        runs.append(run_cli(network, [*gemini, "-p", "Print more numbers.", *resume], env=env, cwd=project))
+        # Another snapshot: the second compaction's requests hold only the first's, so each link is unambiguous.
+        replica.backend.config.summary_text = "The shell printed the numbers, then the marker of the namespace."
+        steer(replica, {"run_shell_command": {"command": GEMINI_SMALL}}, 1)
+        runs.append(run_cli(network, [*gemini, "-p", "Check it once more.", *resume], env=env, cwd=project))
+        refused = re.findall(r"<< ([45]\d\d\b.*)", proxy.output())
+        assert not refused, (refused, proxy.output()[-6000:])
+
+    sessions = set()
+    # 3, 3, 1 and 1 rounds; every third turn of the replica's is a parallel pair.
+    for run, calls in zip(runs, (4, 4, 2, 1), strict=True):
+        events = run.events()
+        sessions |= {event["session_id"] for event in events if event["type"] == "init"}
+        assert events[-1]["type"] == "result" and events[-1]["status"] == "success", str(run)
+        assert events[-1]["stats"]["tool_calls"] == calls, events[-1]
+        outputs = [event for event in events if event["type"] == "tool_result"]
+        assert all(o["status"] == "success" and f"tito-ok {network.inode}" in o["output"] for o in outputs), outputs
+    assert len(sessions) == 1
+    turns = assert_token_exact(record_dir, replica)
+    turns, _ = assert_linked_episode(record_dir, "gm-long", "Gemini CLI", root_compactions=True)
+    assert len(turns) == 16 == len(replica.received())
+    roots = [t for t in turns if t.parent_turn_id is None]
+    calls = ["main", "compaction", "compaction"] * 2 + ["main"]
+    assert [t.call for t in roots] == calls, [(t.turn_id, t.parent_turn_id, t.call) for t in turns]
+    first, snapshot, check, rebuilt, snapshot2, check2, rebuilt2 = roots
+    for snap, checked in ((snapshot, check), (snapshot2, check2)):
+        # The snapshot request, then its check with the snapshot echoed as the model's; neither extends a stored turn.
+        assert SNAPSHOT in last_user_text(snap) and CHECK in last_user_text(checked)
+        assert checked.appended_messages[-2] == {"role": "assistant", "content": snap.assistant_message["content"]}
+        assert snap.model == checked.model == COMPRESSION_MODEL
+    assert snapshot.follows is None and check.follows is None
+    # The second compaction compresses a history that starts from the first snapshot: both its requests follow it.
+    assert snapshot2.follows == check2.follows == rebuilt.follows
+    for after, checked in ((rebuilt, check), (rebuilt2, check2)):
+        # The rebuilt context: the checked snapshot alone in a part after the environment, and it follows that turn.
+        follows = after.follows.model_dump(exclude_none=True)
+        assert follows == {"session": "gm-long", "turn_id": checked.turn_id, "how": "summary"}, follows
+        parts = [part["text"] for part in after.appended_messages[1]["content"]]
+        assert parts[0].startswith("<session_context>") and parts[1:] == [checked.assistant_message["content"]]
+    assert summary_text(check) != summary_text(check2)
+    # The main segments: a line of turns each (T a tool-call turn, S an answer); a run resumed after a compression
+    # extends the rebuilt context's line.
+    for root, finishes in ((first, "TTTS"), (rebuilt, "TTTSTS"), (rebuilt2, "TS")):
+        chain = [root]
+        while len(chain) < len(finishes):
+            chain.append(next(t for t in turns if t.parent_turn_id == chain[-1].turn_id))
+        assert "".join(t.finish_reason[0].upper() for t in chain) == finishes, chain
+        assert {t.call for t in chain} == {"main"} and {t.model for t in chain} == {"qwen3"}
+    assert tool_round_trips(turns) == 11
+    rows = assert_rows_per_segment(record_dir, tmp_path, replica, "gm-long", turns)
+    assert [r["call"] for r in rows] == calls
+
+
+def summary_text(turn) -> str:
+    return re.search(r"<summary>\n(.*)\n</summary>", turn.assistant_message["content"]).group(1)

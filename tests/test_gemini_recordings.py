@@ -35,11 +35,13 @@ VERIFY_ASK = ("Critically evaluate the <state_snapshot> you just generated. Did 
               "details, file paths, tool results, or user constraints mentioned in the history? If anything is missing "
               "or could be more precise, generate a FINAL, improved <state_snapshot>. Otherwise, repeat the exact same "
               "<state_snapshot> again.")  # fmt: skip
+# The model its compression requests name whatever `-m` says: their alias (chat-compression-default) resolves to it.
+COMPRESSION_MODEL = "gemini-3.1-pro-preview-customtools"
 ENVIRONMENT = "This is the Gemini CLI. We are setting up the context for our chat.\nToday's date is Thursday."
 # Each recorded turn: (parent, call, model).
 PLACES = [(None, "main", "qwen3"), (0, "main", "qwen3"), (1, "main", "qwen3"), (2, "main", "qwen3"),
-          (None, "side", "flash-lite"), (None, "compaction", "qwen3"), (None, "compaction", "qwen3"),
-          (None, "main", "qwen3")]  # fmt: skip
+          (None, "side", "flash-lite"), (None, "compaction", COMPRESSION_MODEL),
+          (None, "compaction", COMPRESSION_MODEL), (None, "main", "qwen3")]  # fmt: skip
 CALLS = [call for _, call, _ in PLACES]
 
 
@@ -109,9 +111,10 @@ def compaction(api: genai.Client, history: list[types.Content], stream: bool) ->
     asked to check it; then a context rebuilt from the checked snapshot (its environment message first), which the
     agent goes on with. Returns the three replies."""
     compress = types.GenerateContentConfig(system_instruction=COMPRESSION_SYSTEM)
-    snapshot = api.models.generate_content(model="qwen3", contents=[*history, text(SNAPSHOT_ASK)], config=compress)
+    asked = [*history, text(SNAPSHOT_ASK)]
+    snapshot = api.models.generate_content(model=COMPRESSION_MODEL, contents=asked, config=compress)
     echoed = [*history, text(snapshot.text, "model"), text(VERIFY_ASK)]
-    checked = api.models.generate_content(model="qwen3", contents=echoed, config=compress)
+    checked = api.models.generate_content(model=COMPRESSION_MODEL, contents=echoed, config=compress)
     rebuilt = [text(ENVIRONMENT), text((checked.text or snapshot.text).strip()),
                text("Got it. Thanks for the additional context!", "model"), text("Go on.")]  # fmt: skip
     return [snapshot, checked, generate(api, rebuilt, stream)]
@@ -284,3 +287,33 @@ def test_drift_audit_reads_the_session(recorded, tmp_path: Path) -> None:
     assert main["kinds"].get("eos_newline", 0) >= 1
     assert main["kinds"].get("bpe_resplit", 0) >= 1
     assert set(main["differing_tokens_per_turn"]) == {"0", "1", "2", "3"}
+
+
+def test_a_later_compaction_follows_the_snapshot_its_history_starts_from(tmp_path: Path) -> None:
+    """Gemini CLI's second compression of a session (seen with the CLI itself, tests/test_agent_episodes.py) sends a
+    history that starts from the first checked snapshot: both its requests are compactions following the first check
+    turn (the summary they hold), and the context rebuilt from the second snapshot follows the second check turn and
+    continues `main`."""
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), preferred_tools={"get_weather": {"city": "Paris"}})
+    with ReplicaThread(config) as replica, Mitmdump(
+        replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path,
+        options={"tito_session_api_key_prefix": "sk-tito-"},
+    ) as proxy:  # fmt: skip
+        api = client(proxy.url)
+        _, contents = gemini_session(api)
+        first = compaction(api, contents, stream=False)
+        # The rebuilt context's round trip and answer, as the agent goes on with it, then compressed again.
+        rebuilt = [text(ENVIRONMENT), text(first[1].text.strip()), text("Got it. Thanks for the additional context!",
+                   "model"), text("Go on."), first[2].candidates[0].content]  # fmt: skip
+        rebuilt.append(results(rebuilt[-1]))
+        answer = generate(api, rebuilt, stream=False)
+        second = compaction(api, [*rebuilt, answer.candidates[0].content], stream=False)
+        turns = assert_token_exact(tmp_path / "rec", replica)
+    assert [(t.parent_turn_id, t.call) for t in turns] == [
+        (None, "main"), (0, "main"), (1, "main"), (2, "main"), (None, "compaction"), (None, "compaction"),
+        (None, "main"), (6, "main"), (None, "compaction"), (None, "compaction"), (None, "main"),
+    ]  # fmt: skip
+    assert [t.reply_id for t in turns[4:]] == [r.response_id for r in [*first, answer, *second]]
+    follows = [(t.follows.turn_id, t.follows.how) if t.follows else None for t in turns]
+    assert follows == [None] * 6 + [(5, "summary"), None, (5, "summary"), (5, "summary"), (9, "summary")]
+    assert {t.episode for t in turns} == {EPISODE}
