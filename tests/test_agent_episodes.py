@@ -149,14 +149,16 @@ def assert_rows_per_segment(record_dir: Path, tmp_path: Path, replica, episode: 
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    generated = {tuple(g["prompt_ids"]): g["completion_ids"] for g in replica.generated()}
+    generated: dict[tuple[int, ...], list[list[int]]] = {}  # a prompt sent twice may be answered twice
+    for g in replica.generated():
+        generated.setdefault(tuple(g["prompt_ids"]), []).append(g["completion_ids"])
     by_id = {t.turn_id: t for t in turns}
     assert [r["segment"] for r in rows] == list(range(len(rows)))
     for row in rows:
         assert row["episode"] == episode and row["reward"] == 1.0
         leaf = by_id[row["leaf_turn_id"]]
         prompt = row["input_ids"][: leaf.prompt_len]
-        assert generated[tuple(prompt)] == row["input_ids"][leaf.prompt_len :]
+        assert row["input_ids"][leaf.prompt_len :] in generated[tuple(prompt)]
         assert {by_id[t].call for t in row["turn_ids"]} == {row["call"]}
     # Every turn is in exactly one row's segment.
     assert sorted(t for r in rows for t in r["turn_ids"]) == sorted(by_id)
@@ -252,8 +254,11 @@ def test_a_long_codex_episode_is_one_linked_episode(network, agent_clis, replica
                 cwd=project)  # fmt: skip
         refused = re.findall(r"<< ([45]\d\d\b.*)", proxy.output())
         assert not refused, (refused, proxy.output()[-6000:])
+        # `codex exec` may end while its sub-agent's last request is still being answered (about every other run
+        # here): the proxy logs the hang-up, closes the upstream request and records nothing of it.
+        hung_up = len(re.findall(r"<< client disconnected", proxy.output(), re.IGNORECASE))
 
-    assert_token_exact(record_dir, replica)
+    assert_token_exact(record_dir, replica, hung_up)
     turns, _ = assert_linked_episode(record_dir, "cx-long", "Codex")
     calls = [t.call for t in turns]
     assert calls.count("compaction") >= 2 and "subagent" in calls, calls

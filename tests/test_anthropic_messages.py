@@ -43,13 +43,16 @@ def recorded(record_dir: Path) -> list:
     return [turn for f in iter_session_files(record_dir) for turn in f.turns]
 
 
-def assert_token_exact(record_dir: Path, replica: ReplicaThread) -> list:
+def assert_token_exact(record_dir: Path, replica: ReplicaThread, hung_up: int = 0) -> list:
     """Every recorded turn's ids are what the replica received and generated, and each later turn of a branch
-    starts with its parent's prompt + completion."""
+    starts with its parent's prompt + completion. `hung_up`: how many requests the agent hung up on mid-answer (the
+    proxy logged each; it records none): at most that many of the replica's answers, and only its last ones, are
+    unrecorded."""
+    answered = replica.generated()
     generated: dict[tuple[int, ...], list[list[int]]] = {}  # a prompt sent twice may be answered twice
-    for g in replica.generated():
+    for g in answered:
         generated.setdefault(tuple(g["prompt_ids"]), []).append(g["completion_ids"])
-    turns = []
+    turns, recorded = [], set()
     for session_file in iter_session_files(record_dir):
         ids = session_file.full_ids()
         ends: dict[int, list[int]] = {}
@@ -60,7 +63,12 @@ def assert_token_exact(record_dir: Path, replica: ReplicaThread) -> list:
                 assert prompt[: len(ends[turn.parent_turn_id])] == ends[turn.parent_turn_id]
             ends[turn.turn_id] = prompt + completion
             turns.append(turn)
-    assert len(turns) == len(replica.generated())
+            recorded.add((tuple(prompt), tuple(completion)))
+    unrecorded = [
+        i for i, g in enumerate(answered) if (tuple(g["prompt_ids"]), tuple(g["completion_ids"])) not in recorded
+    ]
+    assert len(turns) + len(unrecorded) == len(answered)
+    assert len(unrecorded) <= hung_up and unrecorded == list(range(len(answered) - len(unrecorded), len(answered)))
     return turns
 
 
