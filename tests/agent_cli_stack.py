@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import tokenizer_path
+from conftest import API_KEYS, tokenizer_path
 from proxy_harness import REPO, Mitmdump
 from test_anthropic_messages import assert_token_exact
 
@@ -62,6 +62,10 @@ MARKER = "tito-ok"
 COMMAND = f"readlink /proc/self/ns/net | xargs echo {MARKER}"
 TOOL_ROUNDS = 3  # tool turns per prompt, then the answer
 CLI_TIMEOUT_S = 180
+# The tests that name episodes by API key: the proxy's tito_session_api_key_prefix, and the backend's own key (one the
+# session-wide audit looks for in every proxy log and recording).
+KEY_PREFIX = "sk-tito-"
+BACKEND_KEY = API_KEYS[9]
 # Codex's $CODEX_HOME/config.toml: the proxy as a Responses provider; its update check, analytics and feedback off.
 CODEX_CONFIG = """\
 model_provider = "local"
@@ -209,6 +213,12 @@ def namespaced_proxy(network: Network, replica: ReplicaThread, tmp_path: Path, *
                     launcher=network.command([]), options=options or None)  # fmt: skip
 
 
+def keyed_proxy(network: Network, replica: ReplicaThread, tmp_path: Path) -> Mitmdump:
+    """`namespaced_proxy` whose API keys `KEY_PREFIX + EPISODE` name episodes, the backend's own key BACKEND_KEY."""
+    return namespaced_proxy(network, replica, tmp_path, tito_session_api_key_prefix=KEY_PREFIX,
+                            tito_backend_api_key=BACKEND_KEY)  # fmt: skip
+
+
 @dataclass
 class CliRun:
     argv: list[str]
@@ -322,12 +332,11 @@ def assert_exact_chain(
     return turns
 
 
-def assert_backend_saw_only_its_key(
-    proxy: Mitmdump, replica: ReplicaThread, backend_key: str, episode_key: str
-) -> None:
-    """Every request the backend got carries its own key as `Authorization: Bearer` (what sglang's and vLLM's
-    `--api-key` read), whichever header the agent put its episode key in, and no other key header; the episode's key
-    is in no proxy log or recorded file."""
+def assert_backend_saw_only_its_key(proxy: Mitmdump, replica: ReplicaThread, episode: str) -> None:
+    """Behind a `keyed_proxy`: every request the backend got carries its own key as `Authorization: Bearer` (what
+    sglang's and vLLM's `--api-key` read), whichever header the agent put its episode key in, and no other key header;
+    the episode's key is in no proxy log or recorded file."""
+    backend_key, episode_key = BACKEND_KEY, KEY_PREFIX + episode
     headers = [{k.lower(): v for k, v in h.items()} for h in replica.backend.received_headers]
     assert len(headers) == len(replica.received())
     keys = [{name: h[name] for name in ("authorization", "x-api-key", "x-goog-api-key") if name in h} for h in headers]

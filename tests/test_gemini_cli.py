@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 from agent_cli_stack import (  # noqa: F401 - fixtures
     COMMAND,
+    KEY_PREFIX,
     MARKER,
     TOOL_ROUNDS,
     CliRun,
@@ -41,6 +42,7 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     assert_backend_saw_only_its_key,
     assert_exact_chain,
     base_env,
+    keyed_proxy,
     namespaced_proxy,
     network,
     run_cli,
@@ -63,7 +65,6 @@ SETTINGS = {
     "telemetry": {"enabled": False},
 }
 API_KEY = API_KEYS[0]  # one the session-wide audit looks for in every proxy log and recording
-KEY_PREFIX = "sk-tito-"
 FIRST, SECOND = "Check this folder with the shell.", "Check it once more."
 # The notes of a response a resumed session repeated (`ContentsTranslation.user`).
 REPEATED = "a functionResponse repeating an earlier one of this content exactly (left out)"
@@ -139,11 +140,10 @@ def test_gemini_cli_is_token_exact(network: Network, agent_clis: Path, replica, 
 def test_gemini_api_key_names_the_episode(network: Network, agent_clis: Path, replica, tmp_path: Path) -> None:
     """`GEMINI_API_KEY=sk-tito-EPISODE` names the episode (it arrives as `x-goog-api-key`), both invocations in it;
     the backend sees only its own key, and the episode's key is in no log or recording. The JSON output format."""
-    key, backend_key = KEY_PREFIX + "gemini-episode", API_KEYS[9]
+    key = KEY_PREFIX + "gemini-episode"
     project = tmp_path / "project"
     project.mkdir()
-    options = {"tito_session_api_key_prefix": KEY_PREFIX, "tito_backend_api_key": backend_key}
-    with namespaced_proxy(network, replica, tmp_path, **options) as proxy:
+    with keyed_proxy(network, replica, tmp_path) as proxy:
         env = gemini_env(tmp_path, agent_clis, proxy, key)
         runs = run_session(network, agent_clis, env, project, "json")
 
@@ -152,7 +152,7 @@ def test_gemini_api_key_names_the_episode(network: Network, agent_clis: Path, re
     assert_resumed(turns, TOOL_ROUNDS + 1)
     assert {t.session_id for t in turns} == {"gemini-episode"}
     # The CLI put its key in `x-goog-api-key`; the backend got its own as `Authorization: Bearer`, on every request.
-    assert_backend_saw_only_its_key(proxy, replica, backend_key, key)
+    assert_backend_saw_only_its_key(proxy, replica, "gemini-episode")
     sessions = set()
     answers = [t.assistant_message["content"] for t in turns if t.finish_reason == "stop"]
     for run, answer in zip(runs, answers, strict=True):

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 from agent_cli_stack import (  # noqa: F401 - fixtures
     COMMAND,
+    KEY_PREFIX,
     MARKER,
     TOOL_ROUNDS,
     Network,
@@ -43,13 +44,12 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     assert_exact_chain,
     base_env,
     chains_of,
-    namespaced_proxy,
+    keyed_proxy,
     network,
     run_cli,
     steered_replica,
     text_of,
 )
-from conftest import API_KEYS
 from proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
@@ -59,8 +59,6 @@ pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 # opencode's bash tool requires `description` besides `command`.
 BASH_ARGS = {"command": COMMAND, "description": "Print a marker"}
-PREFIX = "sk-tito-"
-BACKEND_KEY = API_KEYS[9]  # the backend's own key, which the session-wide audit looks for in every log and recording
 PROMPT = "Check this folder with the shell."
 AGAIN = "Check it once more."
 
@@ -92,8 +90,7 @@ def replica(network):
 
 @pytest.fixture
 def proxy(network, replica, tmp_path: Path):
-    options = {"tito_session_api_key_prefix": PREFIX, "tito_backend_api_key": BACKEND_KEY}
-    with namespaced_proxy(network, replica, tmp_path, **options) as running:
+    with keyed_proxy(network, replica, tmp_path) as running:
         yield running
 
 
@@ -150,7 +147,7 @@ def test_opencode_cli_is_token_exact(
         tmp_path / "home",
         agent_clis,
         OPENCODE_CONFIG=str(config),
-        TITO_API_KEY=PREFIX + episode,
+        TITO_API_KEY=KEY_PREFIX + episode,
         OPENCODE_DISABLE_MODELS_FETCH="1",
         OPENCODE_DISABLE_DEFAULT_PLUGINS="1",
         OPENCODE_DISABLE_AUTOUPDATE="1",
@@ -162,7 +159,7 @@ def test_opencode_cli_is_token_exact(
 
     printed = f"{MARKER} {network.inode}"
     turns = assert_exact_episode(proxy, replica, api, printed, episode, invocations=2)
-    assert_backend_saw_only_its_key(proxy, replica, BACKEND_KEY, PREFIX + episode)
+    assert_backend_saw_only_its_key(proxy, replica, episode)
     # Each prompt reached the model as typed (the words joined, no quotes added); the second was appended to the
     # stored history (the first turn of the episode is the title request).
     for turn, prompt in ((turns[0], PROMPT), (turns[first_turns - 1], AGAIN)):

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from agent_cli_stack import (  # noqa: F401 - fixtures
     COMMAND,
+    KEY_PREFIX,
     MARKER,
     TOOL_ROUNDS,
     Network,
@@ -38,13 +39,12 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     assert_backend_saw_only_its_key,
     assert_exact_chain,
     base_env,
-    namespaced_proxy,
+    keyed_proxy,
     network,
     run_cli,
     steered_replica,
     text_of,
 )
-from conftest import API_KEYS
 from proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
@@ -56,8 +56,6 @@ PREFERRED_TOOLS = {
     "run_shell_command": {"command": COMMAND},  # Qwen Code
     "bash": {"command": COMMAND},  # pi
 }
-PREFIX = "sk-tito-"
-BACKEND_KEY = API_KEYS[9]  # the backend's own key, which the session-wide audit looks for in every log and recording
 # Without these Qwen Code reports usage statistics and telemetry to, and checks for updates at, hosts of its own.
 QWEN_SETTINGS = {
     "general": {"enableAutoUpdate": False},
@@ -81,8 +79,7 @@ def replica(network):
 
 @pytest.fixture
 def proxy(network, replica, tmp_path: Path):
-    options = {"tito_session_api_key_prefix": PREFIX, "tito_backend_api_key": BACKEND_KEY}
-    with namespaced_proxy(network, replica, tmp_path, **options) as running:
+    with keyed_proxy(network, replica, tmp_path) as running:
         yield running
 
 
@@ -90,7 +87,7 @@ def assert_named(proxy: Mitmdump, replica, episode: str) -> None:
     """Every recorded turn is the episode's; the backend saw only its own key (`assert_backend_saw_only_its_key`)."""
     files = list(iter_session_files(proxy.record_dir))
     assert {t.session_id for f in files for t in f.turns} == {episode}
-    assert_backend_saw_only_its_key(proxy, replica, BACKEND_KEY, PREFIX + episode)
+    assert_backend_saw_only_its_key(proxy, replica, episode)
 
 
 # ---------------------------------------------------------------------------------------------- tests
@@ -104,7 +101,7 @@ def test_qwen_code_cli_is_token_exact(
     (home / ".qwen").mkdir(parents=True)
     (home / ".qwen" / "settings.json").write_text(json.dumps(QWEN_SETTINGS))
     env = base_env(
-        home, agent_clis, OPENAI_BASE_URL=f"{proxy.url}/v1", OPENAI_API_KEY=PREFIX + "qwen-ep", OPENAI_MODEL="qwen3"
+        home, agent_clis, OPENAI_BASE_URL=f"{proxy.url}/v1", OPENAI_API_KEY=KEY_PREFIX + "qwen-ep", OPENAI_MODEL="qwen3"
     )
     # One invocation: `--continue` rebuilds the history from Qwen Code's session file without the date
     # <system-reminder> it put in the first prompt, so the resumed request is another prompt, not an extension.
@@ -155,7 +152,7 @@ def test_pi_cli_is_token_exact(
     (home / ".pi" / "agent").mkdir(parents=True)
     (home / ".pi" / "agent" / "models.json").write_text(json.dumps(pi_models(pi_api, proxy.url + path)))
     episode = f"pi-{api}"
-    env = base_env(home, agent_clis, PI_OFFLINE="1", TITO_API_KEY=PREFIX + episode)
+    env = base_env(home, agent_clis, PI_OFFLINE="1", TITO_API_KEY=KEY_PREFIX + episode)
     pi = [str(agent_clis / "pi"), "--provider", "tito", "--model", "qwen3", "--mode", "json"]
     first = run_cli(network, [*pi, "-p", "Check this folder with the shell."], env=env, cwd=project)
     first_turns = len(replica.generated())
