@@ -138,7 +138,10 @@ def test_an_agent_that_hangs_up_cancels_the_generation_and_nothing_is_recorded(s
     assert response.status == 200
     first = response.readline()
     assert first.startswith(b"data: ")
-    connection.sock.close()  # the agent hangs up after the first chunk
+    # The agent hangs up after the first chunk: the response's reader holds the socket open too (a socket closes when
+    # its last reference does), so both go.
+    connection.sock.close()
+    response.close()
     deadline = time.monotonic() + 20
     while replica.backend.cancelled_streams == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
