@@ -52,8 +52,11 @@ from tito_addon.records.record_reader import iter_session_files
 # The full tier, alone on the machine: the real CLIs under their own timeouts.
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
+# Qwen Code runs a turn's calls side by side, and once in a clean-clone run it reported one of two parallel calls of
+# the bare command with "Output: (empty)" and exit code 0: a short pause before the command prints keeps its output.
+QWEN_COMMAND = f"sleep 0.2; {COMMAND}"
 PREFERRED_TOOLS = {
-    "run_shell_command": {"command": COMMAND},  # Qwen Code
+    "run_shell_command": {"command": QWEN_COMMAND},  # Qwen Code
     "bash": {"command": COMMAND},  # pi
 }
 # Without these Qwen Code reports usage statistics and telemetry to, and checks for updates at, hosts of its own.
