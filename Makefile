@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 # what npm last installed (npm writes node_modules/.package-lock.json). `npm install`, not `npm ci`: the lock holds the
 # platform packages the registry serves here (opencode's and a clipboard library's for other systems are not served,
 # so they are not in it), which `npm ci` takes for a lock out of step with package.json; install keeps to the lock.
+# The lock also pins the Node the CLIs run on (npm's `node` package: Claude Code and Qwen Code declare Node >= 22).
 CLIS := tests/agent_clis
 agent-clis: $(CLIS)/node_modules/.package-lock.json
 

@@ -55,6 +55,9 @@ BINARIES = {
     "opencode": "opencode-ai",
     "qwen": "@qwen-code/qwen-code",
     "pi": "@mariozechner/pi-coding-agent",
+    # The Node the CLIs run on, pinned with them: Claude Code and Qwen Code declare `engines.node >=22`, and a
+    # machine's own Node (Debian's 18, NodeSource's 20) may be older. It comes first on every CLI's PATH.
+    "node": "node",
 }
 MARKER = "tito-ok"
 # The shell command the model runs: the marker and the network namespace the command ran in, which proves that the
