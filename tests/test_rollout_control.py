@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import httpx2
+import openai
 import pyarrow.parquet as pq
 import pytest
 from conftest import tokenizer_path
@@ -125,12 +127,18 @@ def test_regular_mode_episodes_by_proxy_auth_and_the_control_api(replica, tmp_pa
             assert closed == {"session_id": "ep-a", "closed": True, "turns": 3, "already_closed": False}
             assert tito.session("ep-a")["closed"] == "closed" and tito.session("ep-a")["live"] is False
             before, served = record_bytes(record_dir), len(replica.received())
-            # The closed name is refused (tito_after_close=refuse): 409, nothing forwarded, nothing written.
+            # The closed name is refused (tito_after_close=refuse): a final 410, nothing forwarded, nothing written.
             refused = run_agent(
                 {"OPENAI_BASE_URL": replica.url + "/v1", "HTTP_PROXY": episode_proxy_url(proxy.url, "ep-a")}, 1,
                 check=False,
             )  # fmt: skip
-            assert "409" in refused[0] and "closed by its driver" in refused[0]
+            assert "410" in refused[0] and "closed by its driver" in refused[0]
+            named = httpx2.Client(proxy=episode_proxy_url(proxy.url, "ep-a"), trust_env=False)
+            agent = openai.OpenAI(base_url=replica.url + "/v1", api_key="sk-agent", http_client=named, max_retries=0)
+            with pytest.raises(openai.APIStatusError, match="closed by its driver") as gone:
+                agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+            assert gone.value.status_code == 410 and gone.value.response.headers["x-should-retry"] == "false"
+            assert gone.value.body["type"] == "session_closed"
             assert record_bytes(record_dir) == before and len(replica.received()) == served
             assert tito.close("ep-a")["already_closed"] is True
             assert record_bytes(record_dir) == before

@@ -274,7 +274,7 @@ def test_vllm_turns_continue_across_proxies(redis, tmp_path) -> None:
 
 
 def test_a_driver_closes_a_shared_session_for_every_proxy(replica, redis, tmp_path) -> None:
-    """The control API on either proxy sees the shared session; a close on one is a 409 for the name on both."""
+    """The control API on either proxy sees the shared session; a close on one is a final 410 for the name on both."""
     from tito_addon.client import TitoClient
 
     token = "control-token-shared-0123456789"
@@ -295,8 +295,9 @@ def test_a_driver_closes_a_shared_session_for_every_proxy(replica, redis, tmp_pa
             assert first.session("ep-shared")["live"] is False
             before = {p.name: p.read_bytes() for p in record_dir.glob("*.jsonl")}
             for proxy in proxies:
-                with pytest.raises(openai.ConflictError, match="closed by its driver"):
+                with pytest.raises(openai.APIStatusError, match="closed by its driver") as gone:
                     alternate([proxy], 1, session="ep-shared")
+                assert gone.value.status_code == 410 and gone.value.response.headers["x-should-retry"] == "false"
             assert {p.name: p.read_bytes() for p in record_dir.glob("*.jsonl")} == before
             assert len(replica.received()) == 2, "nothing was forwarded for the closed name"
             assert first.close("ep-shared")["already_closed"] is True

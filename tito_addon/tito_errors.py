@@ -8,18 +8,37 @@ from __future__ import annotations
 
 import json
 
+# The statuses the OpenAI and Anthropic SDKs, Claude Code and the AI SDK retry (with every 5xx) unless the reply
+# says `x-should-retry: false`; a refusal that retrying cannot fix must say it, or Claude Code retries for minutes.
+RETRIED_STATUSES = frozenset({408, 409, 429})
+FINAL_HEADERS = {"x-should-retry": "false"}
+
 
 class TitoError(Exception):
     """A failure with a defined HTTP status and a JSON error body."""
 
     status: int = 500
     error_type: str = "tito_error"
+    # Whether the same request, sent again, can succeed. None: as its status says (408, 409, 429 and 5xx can, any
+    # other 4xx cannot); a class whose cause outlives any retry says False whatever its status.
+    retryable: bool | None = None
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
+
+    @property
+    def final(self) -> bool:
+        """Retrying cannot change the answer: the reply carries `x-should-retry: false`."""
+        if self.retryable is not None:
+            return not self.retryable
+        return not (self.status >= 500 or self.status in RETRIED_STATUSES)
+
+    def headers(self) -> dict[str, str]:
+        """The reply's headers: JSON, and `x-should-retry: false` when the refusal is final."""
+        return {"content-type": "application/json", **(FINAL_HEADERS if self.final else {})}
 
     def body(self) -> bytes:
         payload = {"error": {"message": self.message, "type": self.error_type, "code": self.status}}
@@ -31,6 +50,7 @@ class BadRequest(TitoError):
 
     status = 400
     error_type = "invalid_request_error"
+    retryable = False
 
 
 class UpstreamMalformed(TitoError):
@@ -38,6 +58,7 @@ class UpstreamMalformed(TitoError):
 
     status = 502
     error_type = "upstream_malformed"
+    retryable = True
 
 
 class UpstreamUnavailable(TitoError):
@@ -45,13 +66,15 @@ class UpstreamUnavailable(TitoError):
 
     status = 502
     error_type = "upstream_unavailable"
+    retryable = True
 
 
 class TokenizationError(TitoError):
-    """The chat template or tokenizer could not produce the prompt ids."""
+    """The chat template or tokenizer could not produce the prompt ids: the same request fails the same way again."""
 
     status = 500
     error_type = "tokenization_error"
+    retryable = False
 
 
 class TemplateRefusal(TokenizationError):
@@ -73,10 +96,12 @@ class UpstreamPassthrough(Exception):
 
 
 class SessionClosed(TitoError):
-    """A request names a session its rollout driver closed, and `tito_after_close` is `refuse`."""
+    """A request names a session its rollout driver closed, and `tito_after_close` is `refuse`: final, so a 410
+    (Gone), which no supported SDK or CLI retries, where a 409 had Claude Code retrying for minutes."""
 
-    status = 409
+    status = 410
     error_type = "session_closed"
+    retryable = False
 
     def __init__(self, session_id: str) -> None:
         super().__init__(
@@ -91,6 +116,7 @@ class StoreUnavailable(TitoError):
 
     status = 503
     error_type = "session_store_unavailable"
+    retryable = True
 
 
 class SessionGone(TitoError):
@@ -98,6 +124,7 @@ class SessionGone(TitoError):
 
     status = 409
     error_type = "session_closed"
+    retryable = True
 
     def __init__(self, session_id: str) -> None:
         super().__init__(f"session {session_id!r} closed while this turn was in flight; send the request again")

@@ -48,8 +48,8 @@ MESSAGES_PATH = re.compile(
 THINKING_PURPOSE = "anthropic-thinking"
 MESSAGES_ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-    529: "overloaded_error",
+    409: "invalid_request_error", 410: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+    503: "overloaded_error", 529: "overloaded_error",
 }  # fmt: skip
 
 

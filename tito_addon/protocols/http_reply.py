@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tito_addon.tito_errors import TitoError
+
 
 @dataclass
 class HttpReply:
@@ -16,3 +18,8 @@ class HttpReply:
 
 def json_reply(status: int, body: bytes, metadata: dict[str, Any] | None = None) -> HttpReply:
     return HttpReply(status, {"content-type": "application/json"}, body, metadata or {})
+
+
+def refusal_reply(error: TitoError) -> HttpReply:
+    """A refusal outside any agent API's shape (before a route is known): its status, its headers, the generic body."""
+    return HttpReply(error.status, error.headers(), error.body())

@@ -148,6 +148,9 @@ class ChatCompletionsApi:
     def responder(self, request: AgentRequest, context: ReplyContext) -> ChatResponder:
         return ChatResponder(request.chat)
 
+    def error_status(self, error: TitoError) -> int:
+        return error.status
+
     def error_body(self, error: TitoError) -> bytes:
         return error.body()
 

@@ -40,13 +40,16 @@ from tito_addon.protocols.openai_responses_translation import (
 )
 from tito_addon.protocols.translated_api import TranslatedApi, TranslatedResponder
 from tito_addon.protocols.turn_refs import new_id
-from tito_addon.tito_errors import BadRequest, UpstreamPassthrough
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamPassthrough
 
 RESPONSES_PATH = re.compile(
     r"^(?:/sessions/(?P<sid>[^/?#]*))?(?P<prefix>(?:/[^?#]*)?)/v1/responses(?P<compact>/compact)?/?(?:\?.*)?$"
 )
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
-RESPONSES_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error"}
+RESPONSES_ERROR_TYPES = {
+    400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+    410: "invalid_request_error",
+}  # fmt: skip
 # The request's fields a response object echoes back.
 ECHOED_FIELDS = set(
     "model instructions tools tool_choice parallel_tool_calls max_output_tokens temperature top_p reasoning text "
@@ -254,6 +257,18 @@ class OpenAIResponsesApi(TranslatedApi[ResponsesTranslation]):
 
     def reply_id(self, session_id: str | None = None) -> str | None:
         return new_reply_id(session_id)
+
+    def error_status(self, error: TitoError) -> int:
+        # Codex, this API's agent, retries every status but 400, 401, 429 and 5xx (`stream_max_retries` times) and
+        # reads no `x-should-retry`: a final refusal is a 400 here, its `code` saying which (as OpenAI answers a
+        # `previous_response_id` it cannot use).
+        return 400 if error.final and 400 < error.status < 500 and error.status != 401 else error.status
+
+    def error_body(self, error: TitoError) -> bytes:
+        status = self.error_status(error)
+        kind = RESPONSES_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        code = error.error_type if status != error.status else None
+        return json.dumps({"error": {"message": error.message, "type": kind, "param": None, "code": code}}).encode()
 
     @staticmethod
     def error_json(status: int, message: str) -> bytes:

@@ -271,8 +271,11 @@ class TranslatedApi[T: ChatTranslation]:
     def responder(self, request: AgentRequest, context: ReplyContext) -> TranslatedResponder:
         return self.responder_type(request, context)
 
+    def error_status(self, error: TitoError) -> int:
+        return error.status
+
     def error_body(self, error: TitoError) -> bytes:
-        return self.error_json(error.status, error.message)
+        return self.error_json(self.error_status(error), error.message)
 
     # -- what an API fills in ------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.utils import asyncio_utils
 from pydantic import ValidationError
 
-from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.http_reply import HttpReply, json_reply, refusal_reply
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.proxy.episode_naming import EPISODE
 from tito_addon.proxy.flow_messages import folded_headers, reply_response
@@ -114,7 +114,7 @@ class TitoAddon:
         if self.wiring.settings is None or len(flow.request.headers.get_all(self.wiring.settings.session_header)) < 2:
             return None
         message = f"the {self.wiring.settings.session_header} header appears more than once; nothing was forwarded"
-        return json_reply(400, BadRequest(message).body())
+        return refusal_reply(BadRequest(message))
 
     async def _go_live(self, flow: http.HTTPFlow, base_url: str | None) -> bool:
         """Hand a streaming turn to the live stream server, if the backend can stream exact ids."""
@@ -179,11 +179,11 @@ class TitoAddon:
     async def _serve(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply:
         if self.wiring.service is None:
             message = "tito_addon is not configured: set tito_tokenizer; nothing was forwarded"
-            return json_reply(503, TitoError(message, status=503).body())
+            return refusal_reply(TitoError(message, status=503))
         try:
             body = flow.request.content or b""
         except ValueError:
-            return json_reply(400, TitoError("request body has an invalid content-encoding", status=400).body())
+            return refusal_reply(BadRequest("request body has an invalid content-encoding"))
         headers = folded_headers(flow.request.headers)
         assert base_url is not None  # request() only serves flows to backend hosts
         return await self.wiring.service.handle(flow.request.path, headers, body, base_url, flow.metadata.get(EPISODE))

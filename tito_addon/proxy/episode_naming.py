@@ -30,6 +30,8 @@ from typing import Any
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import RegularMode, UpstreamMode
 
+from tito_addon.tito_errors import FINAL_HEADERS
+
 logger = logging.getLogger(__name__)
 
 EPISODE = "tito_episode"
@@ -52,8 +54,8 @@ def proxy_user(value: str) -> tuple[str, str] | None:
 def proxy_auth_required() -> http.Response:
     body = b'{"error":{"message":"proxy authentication required","type":"proxy_auth_required","code":407}}'
     return http.Response.make(
-        407, body, {"content-type": "application/json", "proxy-authenticate": 'Basic realm="tito"'}
-    )
+        407, body, {"content-type": "application/json", "proxy-authenticate": 'Basic realm="tito"', **FINAL_HEADERS}
+    )  # the same credentials fail again: final
 
 
 class EpisodeNaming:

@@ -96,8 +96,9 @@ class TitoSettings(BaseModel):
     )
     after_close: Literal["refuse", "new"] = option(
         "refuse",
-        "A request naming a session its driver closed (control API): refuse (409, nothing forwarded) or new (the "
-        "name starts a new tree; turn ids continue, nothing extends the closed turns).",
+        "A request naming a session its driver closed (control API): refuse (410 Gone with x-should-retry: false, "
+        "so agents stop at once; nothing forwarded) or new (the name starts a new tree; turn ids continue, nothing "
+        "extends the closed turns).",
     )
     max_sessions: int = option(10000, "Live sessions kept; the least recently used closes first (0: no limit).")
 

@@ -31,12 +31,14 @@ class Miss:
 
     def reply(self) -> HttpReply:
         details = self.miss.error()
+        # The same request misses again: a final refusal, in the status the agent's API gives one.
+        missed = TitoError(details["error"]["message"], status=404)
+        status, headers = self.api.error_status(missed), missed.headers()
         if self.api.name == "chat":
-            return json_reply(404, json.dumps(details, ensure_ascii=False).encode())
-        error = details["error"]
-        shaped = json.loads(self.api.error_body(TitoError(error["message"], status=404)))
-        shaped["error"].update({k: v for k, v in error.items() if k not in ("message", "type", "code")})
-        return json_reply(404, json.dumps(shaped, ensure_ascii=False).encode())
+            return HttpReply(status, headers, json.dumps(details, ensure_ascii=False).encode())
+        shaped = json.loads(self.api.error_body(missed))
+        shaped["error"].update({k: v for k, v in details["error"].items() if k not in ("message", "type", "code")})
+        return HttpReply(status, headers, json.dumps(shaped, ensure_ascii=False).encode())
 
 
 class ReplayService:
@@ -62,7 +64,7 @@ class ReplayService:
             if request.previous_response_id is not None:
                 raise TitoError("previous_response_id is not replayed; send the whole input", status=400)
         except TitoError as error:
-            return json_reply(error.status, api.error_body(error))
+            return HttpReply(api.error_status(error), error.headers(), api.error_body(error))
         found = self.index.answer(request.chat.messages)
         if isinstance(found, ReplayMiss):
             return Miss(found, api)

@@ -41,7 +41,7 @@ class SessionRecords:
     def __init__(
         self, sessions: SessionSpace, recorder: TrajectoryRecorder | None, after_close: str = "refuse"
     ) -> None:
-        """`after_close`: what a request naming a session its driver closed gets: `refuse` (409) or a `new` tree."""
+        """`after_close`: what a request naming a session its driver closed gets: `refuse` (410) or a `new` tree."""
         self.sessions = sessions
         self.recorder = recorder
         self.after_close = after_close

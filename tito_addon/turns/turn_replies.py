@@ -24,7 +24,8 @@ def matched_stop(agent_body: dict[str, Any]) -> str | None:
 
 
 def error_reply(api: AgentApi, exc: BaseException) -> HttpReply:
-    """A failed turn in the agent's own API: the upstream's status verbatim, ours with its status."""
+    """A failed turn in the agent's own API: the upstream's status verbatim, ours with its status and, when retrying
+    cannot fix it, `x-should-retry: false`."""
     if isinstance(exc, UpstreamPassthrough):
         body = api.passthrough_body(exc)
         return HttpReply(
@@ -33,6 +34,6 @@ def error_reply(api: AgentApi, exc: BaseException) -> HttpReply:
     if isinstance(exc, TitoError):
         if exc.status >= 500:
             logger.warning("turn failed: %s", exc.message)
-        return json_reply(exc.status, api.error_body(exc))
+        return HttpReply(api.error_status(exc), exc.headers(), api.error_body(exc))
     logger.error("unexpected failure while serving a turn", exc_info=exc)
     return json_reply(500, api.error_body(TitoError("internal error in tito_addon; nothing was recorded")))

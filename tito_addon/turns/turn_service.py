@@ -95,7 +95,7 @@ class TurnService:
         warm_apis: Sequence[AgentApi] = (),
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
-        request naming a session its driver closed gets: `refuse` (409) or a `new` tree."""
+        request naming a session its driver closed gets: `refuse` (410) or a `new` tree."""
         self.record_message_text = record_message_text
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
         # has none, so nothing is ever signed with a guessable one.
