@@ -32,8 +32,9 @@ agent-clis: $(CLIS)/node_modules/.package-lock.json
 $(CLIS)/node_modules/.package-lock.json: $(CLIS)/package-lock.json
 	cd $(CLIS) && npm install --no-audit --no-fund
 
+# Records into build/demo-recordings (git-ignored), never recordings/: an `export recordings/` must not pick it up.
 demo: $(STAMP)
-	$(PY) -m tito_addon demo
+	$(PY) -m tito_addon demo --record-dir build/demo-recordings
 
 # Every module and protocol, in parallel, without the `full` tier; hypothesis's `dev` profile.
 test: $(STAMP)

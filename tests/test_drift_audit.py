@@ -129,10 +129,13 @@ def test_audit_page_renders_in_headless_chromium(audited: Path, tmp_path: Path) 
             super().__init__()
             self.tokens: list[dict[str, str]] = []
             self.inserts: list[dict[str, str]] = []
+            self.turn_starts: list[str] = []
 
         def handle_starttag(self, tag: str, attrs: list) -> None:
             values = {k: v or "" for k, v in attrs}
             classes = values.get("class", "").split()
+            if "turn-start" in classes:
+                self.turn_starts.append(values["data-turn"])
             if "tok" in classes:
                 self.tokens.append(values)
             if "drift-insert" in classes:
@@ -152,4 +155,7 @@ def test_audit_page_renders_in_headless_chromium(audited: Path, tmp_path: Path) 
     kinds = {t.get("data-kind") for t in parsed.tokens if "drift" in t["class"].split()}
     assert {"bpe_resplit", "stripped_think"} <= kinds
     assert any(i["data-kind"] == "eos_newline" for i in parsed.inserts)
+    # Each turn's start marked in the rendered page, in order; the episode's head says it has no reward.
+    assert [int(t) for t in parsed.turn_starts] == [t.turn_id for t in session_file.turns]
+    assert '<p id="episode">episode audited: no reward, group auto-' in dom
     assert shot.exists() and shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -785,7 +785,7 @@ def test_control_api_answers_the_token_holder(control) -> None:
     """The positive control for every refusal below: with the token, the routes answer (read-only here)."""
     summary = control_ok(control, b"GET", ANCHOR_PATH)
     assert (summary["session_id"], summary["turns"], summary["annotations"], summary["closed"]) == (
-        CONTROL_ANCHOR, 1, 0, None
+        CONTROL_ANCHOR, 1, [], None
     )  # fmt: skip
     assert control_ok(control, b"GET", sid_path(SLASHED))["session_id"] == SLASHED
     listed = control_ok(control, b"GET", b"/v1/sessions?live=true&limit=5")["sessions"]
@@ -1014,6 +1014,12 @@ ROWS_BODIES: list = [
     pytest.param(b'{"sessions": ["control-anchor"], "group_size": 2, "group_policy": "pad"}', 409,
                  id="pad-without-reward"),
     pytest.param(b'{"sessions": ["control-anchor"], "session_id": "x"}', 400, id="field-unknown"),
+    pytest.param(b'{"session_prefix": ""}', 400, id="prefix-empty"),
+    pytest.param(b'{"session_prefix": ["control"]}', 400, id="prefix-list"),
+    pytest.param(b'{"session_prefix": null}', 400, id="prefix-null-alone"),
+    pytest.param(b'{"session_prefix": "no-such-"}', 404, id="prefix-matches-nothing"),
+    pytest.param(b'{"session_prefix": "control", "format": "torch"}', 400, id="prefix-format-unknown"),
+    pytest.param(b'{"session_prefix": "control", "group_size": 2}', 409, id="prefix-group-too-small"),
     pytest.param(b'{"sessions": ["control-anchor"], "sessions": ["team/run-1"]}', 400, id="duplicate-sessions"),
     pytest.param(b'{"sessions": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, id="sessions-deep"),
 ]  # fmt: skip
@@ -1320,9 +1326,9 @@ def test_the_control_storm_changed_nothing(control) -> None:
     still accept a valid annotation and close (so the refusals above were refusals, not a dead route)."""
     assert control.changes() == []
     summary = control_ok(control, b"GET", ANCHOR_PATH)
-    assert (summary["turns"], summary["annotations"], summary["closed"], summary["live"]) == (1, 0, None, True)
+    assert (summary["turns"], summary["annotations"], summary["closed"], summary["live"]) == (1, [], None, True)
     other = control_ok(control, b"GET", sid_path(SLASHED))
-    assert (other["turns"], other["annotations"], other["closed"]) == (1, 0, None)
+    assert (other["turns"], other["annotations"], other["closed"]) == (1, [], None)
     anchor_file = control.record_dir / session_file_name(CONTROL_ANCHOR)
     before = anchor_file.read_bytes()
     note = control_ok(control, b"POST", ANCHOR_PATH + b"/annotations", b'{"turn_id": 0, "reward": 0.5}')

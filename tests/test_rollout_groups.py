@@ -151,7 +151,8 @@ def test_the_automatic_group_is_the_first_request_as_the_model_saw_it(record_dir
 def test_a_group_of_another_size_is_refused_dropped_or_padded(record_dir: Path, tmp_path: Path) -> None:
     sessions = ["a0", "a1", "a2", "b0", "b1"]
     files = files_of(record_dir, sessions)
-    with pytest.raises(GroupSizeError, match="'task-b' has 2 rows \\(2 episodes\\), fewer than the group size 3"):
+    refused = "'task-b' has 2 rows \\(2 episodes; sessions: b0, b1\\), fewer than the group size 3"  # who to look at
+    with pytest.raises(GroupSizeError, match=refused):
         rows_of(files, "slime", ExportOptions(group_size=3))
     rows, arrangement = rows_of(files, "slime", ExportOptions(group_size=3, group_policy="drop"))
     assert [r["session_id"] for r in rows] == ["a0", "a1", "a2"] and arrangement.summary()["dropped_groups"] == 1
@@ -167,7 +168,7 @@ def test_a_group_of_another_size_is_refused_dropped_or_padded(record_dir: Path, 
     assert {r["group"] for r in bigger} == {"task-b"}
     with pytest.raises(GroupSizeError, match="more than the group size 2"):
         rows_of(files, "slime", ExportOptions(group_size=2, group_policy="pad"))
-    with pytest.raises(GroupSizeError, match="cannot be padded: a row of it has no reward"):
+    with pytest.raises(GroupSizeError, match="cannot be padded to 2: rows of it have no reward \\(sessions: d0\\)"):
         rows_of(files_of(record_dir, ["d0"]), "verl", ExportOptions(group_size=2, group_policy="pad"))
     # The export command says the same, and writes nothing when it refuses.
     chosen = [arg for s in sessions for arg in ("--session", s)]

@@ -105,10 +105,20 @@ class AsyncTitoClient:
     def _path(session_id: str, action: str = "") -> str:
         return "/sessions/" + quote(session_id, safe="") + (f"/{action}" if action else "")
 
-    async def sessions(self, *, live: bool = False, limit: int = 1000) -> list[dict[str, Any]]:
-        """Live and recorded sessions (id, turns, tokens, branches, live, last_activity, closed), newest first."""
-        payload, _ = await self._call("GET", params={"live": live, "limit": limit})
+    async def sessions(
+        self, *, live: bool = False, limit: int = 1000, prefix: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Live and recorded sessions (id, turns, tokens, branches, live, last_activity, closed, annotation_count),
+        newest first; with `prefix`, only those whose id starts with it (a run's episodes)."""
+        params: dict[str, Any] = {"live": live, "limit": limit, **({"prefix": prefix} if prefix is not None else {})}
+        payload, _ = await self._call("GET", params=params)
         return json.loads(payload)["sessions"]
+
+    async def info(self) -> dict[str, Any]:
+        """What a driver checks before it runs agents (`GET /v1/info`): `version`, `session_api_key_prefix` (or
+        None), `after_close`, `proxy_auth_password_required`, `backend_kind`, `model_family`, `tokenizer`."""
+        payload, _ = await self._call("GET", "/info")
+        return json.loads(payload)
 
     async def session(self, session_id: str) -> dict[str, Any]:
         payload, _ = await self._call("GET", self._path(session_id))
@@ -129,8 +139,9 @@ class AsyncTitoClient:
 
     async def export_rows(
         self,
-        sessions: list[str],
+        sessions: list[str] | None = None,
         *,
+        session_prefix: str | None = None,
         format: str = "generic",
         to: str = "jsonl",
         calls: str | list[str] | None = None,
@@ -139,12 +150,18 @@ class AsyncTitoClient:
         dedupe_shared_turns: bool = False,
     ) -> Any:
         """The rows of several sessions as one export, equal to `python -m tito_addon export --session ID ...`'s:
-        each group's rows together, `group_index`, `rollout_id` and `index` numbered across all of them. `to`:
-        `jsonl` (a list of dicts), `parquet` (the file's bytes) or `summary` (the groups and their sizes, no rows).
-        With `group_size` (slime's `n_samples_per_prompt`, in rows) a group of another size is refused (a 409),
-        left out (`group_policy="drop"`) or padded (`"pad"`)."""
-        body: dict[str, Any] = {"sessions": list(sessions), "format": format, "to": to, "group_policy": group_policy,
+        `sessions` (ids, in this order), then with `session_prefix` every recorded session whose id starts with it,
+        in id order (`--session-prefix P`); each group's rows together, `group_index`, `rollout_id` and `index`
+        numbered across all of them. `to`: `jsonl` (a list of dicts), `parquet` (the file's bytes) or `summary`
+        (the groups and their sizes, no rows). With `group_size` (slime's `n_samples_per_prompt`, in rows) a group of
+        another size is refused (a 409, naming its sessions), left out (`group_policy="drop"`) or padded (`"pad"`).
+        A selection that names no recorded session is refused (a 404 or a 400), never taken as "all of them"."""
+        body: dict[str, Any] = {"format": format, "to": to, "group_policy": group_policy,
                                 "dedupe_shared_turns": dedupe_shared_turns}  # fmt: skip
+        if sessions is not None:
+            body["sessions"] = list(sessions)
+        if session_prefix is not None:
+            body["session_prefix"] = session_prefix
         if calls:
             body["calls"] = calls
         if group_size is not None:
@@ -214,8 +231,11 @@ class TitoClient:
         self._thread.join()
         self._loop.close()
 
-    def sessions(self, *, live: bool = False, limit: int = 1000) -> list[dict[str, Any]]:
-        return self._run(self._client.sessions(live=live, limit=limit))
+    def sessions(self, *, live: bool = False, limit: int = 1000, prefix: str | None = None) -> list[dict[str, Any]]:
+        return self._run(self._client.sessions(live=live, limit=limit, prefix=prefix))
+
+    def info(self) -> dict[str, Any]:
+        return self._run(self._client.info())
 
     def session(self, session_id: str) -> dict[str, Any]:
         return self._run(self._client.session(session_id))
@@ -226,7 +246,7 @@ class TitoClient:
     def rows_parquet(self, session_id: str, *, format: str = "generic", calls: str | None = None) -> bytes:
         return self._run(self._client.rows_parquet(session_id, format=format, calls=calls))
 
-    def export_rows(self, sessions: list[str], **options: Any) -> Any:
+    def export_rows(self, sessions: list[str] | None = None, **options: Any) -> Any:
         return self._run(self._client.export_rows(sessions, **options))
 
     def annotate(self, session_id: str, **fields: Any) -> dict[str, Any]:

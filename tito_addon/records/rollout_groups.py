@@ -30,12 +30,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tito_addon.records.record_models import CALLS
-from tito_addon.records.record_reader import RecordError
+from tito_addon.records.episode_segments import Segment, SegmentNotes, episode_segments, segment_notes
+from tito_addon.records.record_models import CALLS, TurnRecord
+from tito_addon.records.record_reader import RecordError, SessionFile
 from tito_addon.records.segment_branches import Branch
 
 GROUP_POLICIES = ("refuse", "drop", "pad")
 AUTO_PREFIX = "auto-"
+MAX_NAMED = 20  # sessions an error names before it says how many more
 
 
 class GroupSizeError(RecordError):
@@ -95,12 +97,30 @@ class _Group:
 
 def auto_group(first: Branch) -> str:
     """The group of an episode no driver named: a digest of its first request as the model saw it."""
-    turn = first.path[0]
+    return auto_group_of(first.path[0], first.ids[: first.prompt_len])
+
+
+def auto_group_of(turn: TurnRecord, prompt_ids: list[int]) -> str:
+    """`auto_group` from the episode's first turn and that turn's whole prompt ids."""
     digest = hashlib.sha256()
     head = [turn.model, turn.tokenizer.tokenizer_sha256, turn.tokenizer.template_sha256]
     digest.update(json.dumps(head).encode())
-    digest.update(b"\0" + ",".join(map(str, first.ids[: first.prompt_len])).encode())
+    digest.update(b"\0" + ",".join(map(str, prompt_ids)).encode())
     return AUTO_PREFIX + digest.hexdigest()[:16]
+
+
+def group_members(group: _Group, most: int = MAX_NAMED) -> str:
+    """The sessions of a group's rows (and its episodes, where they are not the sessions' own names), at most `most`
+    of each: a group-size error must say which runs to look at, and a group of a million rows must not flood it."""
+
+    def bounded(names: list[str]) -> str:
+        more = len(names) - most
+        return ", ".join(names[:most]) + (f" and {more} more" if more > 0 else "")
+
+    sessions = list(dict.fromkeys(branch.path[0].session_id for branch in group.rows))
+    episodes = list(group.episodes)
+    said = f"sessions: {bounded(sessions)}"
+    return said if episodes == sessions else f"{said}; episodes: {bounded(episodes)}"
 
 
 def arrange(
@@ -165,13 +185,16 @@ def _padding(
     if policy == "refuse" or len(real) > size:
         why = "more" if len(real) > size else "fewer"
         raise GroupSizeError(
-            f"group {group.key!r} has {len(real)} rows ({len(group.episodes)} episodes), {why} than the group size "
-            f"{size}; --group-policy drop leaves such groups out"
+            f"group {group.key!r} has {len(real)} rows ({len(group.episodes)} episodes; {group_members(group)}), "
+            f"{why} than the group size {size}; --group-policy drop leaves such groups out"
             + (", pad fills smaller ones" if why == "fewer" else "")
         )
     rewards = [branch.notes.reward for branch in real]
     if any(reward is None for reward in rewards):
-        raise GroupSizeError(f"group {group.key!r} cannot be padded: a row of it has no reward")
+        unscored = _Group(group.key, {b.episode: [b] for b in real if b.notes.reward is None})
+        raise GroupSizeError(
+            f"group {group.key!r} cannot be padded to {size}: rows of it have no reward ({group_members(unscored)})"
+        )
     mean = sum(r for r in rewards if r is not None) / len(rewards)
     out = []
     for k in range(size - len(real)):
@@ -208,3 +231,56 @@ def _dedupe(arrangement: Arrangement) -> None:
         if again:
             arrangement.rows[position] = dataclasses.replace(row, branch=row.branch.masked_turns(again))
     arrangement.deduped = True
+
+
+@dataclass
+class EpisodeView:
+    """What a person (`show`, the audit page, `GET /v1/sessions/{id}`) is told of an episode: what its annotations
+    say of it as a whole (segment-scoped notes aside), the group its rows get, and its segments (one row each)."""
+
+    episode: str
+    notes: SegmentNotes
+    group: str
+    segments: list[Segment]
+
+    @property
+    def sessions(self) -> list[str]:
+        return list(dict.fromkeys(segment.path[0].session_id for segment in self.segments))
+
+
+def episode_views(files: list[SessionFile]) -> list[EpisodeView]:
+    """Every episode of `files`, as the export groups it, without rebuilding any row's ids: only each episode's first
+    prompt is rebuilt (for its automatic group), so a session of thousands of turns is read in linear time."""
+    by_episode: dict[str, list[Segment]] = {}
+    for segment in episode_segments(files):
+        by_episode.setdefault(segment.episode, []).append(segment)
+    turns_of: dict[int, dict[int, TurnRecord]] = {}
+    views = []
+    for episode, segments in by_episode.items():
+        first = segments[0]  # numbered 0: the one `arrange` takes the group of
+        # No own turns: only the notes that reach the whole episode, none scoped to one of its segments.
+        notes = segment_notes(Segment(first.session, []), segments)
+        if notes.group is not None:
+            group = notes.group
+        else:
+            turns = turns_of.setdefault(id(first.session), {t.turn_id: t for t in first.session.turns})
+            group = auto_group_of(first.path[0], prompt_ids_of(turns, first.path[0]))
+        views.append(EpisodeView(episode, notes, group, segments))
+    return views
+
+
+def prompt_ids_of(turns: dict[int, TurnRecord], turn: TurnRecord) -> list[int]:
+    """One turn's whole prompt ids, rebuilt from its ancestors' added and sampled ids."""
+    chain = [turn]
+    while chain[-1].parent_turn_id is not None:
+        parent = turns.get(chain[-1].parent_turn_id)
+        if parent is None:
+            raise RecordError(
+                f"turn {chain[-1].turn_id} extends turn {chain[-1].parent_turn_id}, which is not recorded"
+            )
+        chain.append(parent)
+    ids: list[int] = []
+    for node in reversed(chain[1:]):
+        ids += node.prompt_added_ids
+        ids += node.completion_ids
+    return ids + turn.prompt_added_ids

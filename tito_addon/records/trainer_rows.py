@@ -404,7 +404,9 @@ def read_files(record_dir: Path, sessions: list[str] | None = None, progress: An
     if not record_dir.is_dir():
         raise RecordError(f"{record_dir} is not a directory")
     files: list[SessionFile] = []
-    if sessions:
+    if sessions is not None:
+        if not sessions:
+            raise RecordError("the selection names no session")  # never read as "every session"
         for session_id in dict.fromkeys(sessions):
             found = read_session(record_dir, session_id)
             if found is None:

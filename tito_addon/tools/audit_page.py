@@ -2,7 +2,10 @@
 
 Prompt tokens and sampled tokens are told apart, sampled tokens are shaded by their rollout probability, and
 every token a re-tokenizing pipeline would have changed is outlined with its drift kind (a re-render's insertion
-is shown where it would go). Static HTML, no script: it renders anywhere, and a browser's DOM is the test.
+is shown where it would go). Each turn's start (the first id it added to the prompt) is a marked line naming the
+turn and its call, so a reader knows which request a drift is in; the head says the episode's reward, group and
+labels, as the export gives them to its rows. Static HTML, no script: it renders anywhere, and a browser's DOM is
+the test.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from tito_addon.records.record_reader import SessionFile
+from tito_addon.records.rollout_groups import episode_views
 from tito_addon.tools.drift_audit import CLASSES, BranchAudit
 
 COLORS = {
@@ -36,6 +40,9 @@ body { font-family: system-ui, sans-serif; margin: 24px; color: #222; }
 .drift { outline: 2px solid var(--kind); outline-offset: -1px; }
 .drift-insert { border-left: 3px solid var(--kind); padding: 0 2px; color: var(--kind); font-style: italic; }
 .legend span { display: inline-block; margin-right: 14px; }
+.turn-start { display: block; margin: 10px 0 2px; padding: 2px 6px; border-top: 2px solid #364fc7;
+  background: #edf2ff; color: #364fc7; font: bold 12px system-ui, sans-serif; white-space: normal; }
+#episode { font-size: 15px; }
 .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; background: var(--kind); }
 """
 
@@ -50,10 +57,12 @@ def render_page(session_file: SessionFile, audit: BranchAudit, tokenizer: Any) -
     prompt, completion = session_file.full_ids()[audit.leaf_turn_id]
     ids = prompt + completion
     sampled: dict[int, float] = {}
+    starts: dict[int, str] = {}
     node = turns[audit.leaf_turn_id]
     while True:
         for offset, logprob in enumerate(node.completion_logprobs):
             sampled[node.prompt_len + offset] = logprob
+        starts[node.prompt_len - len(node.prompt_added_ids)] = _turn_start(node)
         if node.parent_turn_id is None:
             break
         node = turns[node.parent_turn_id]
@@ -67,6 +76,8 @@ def render_page(session_file: SessionFile, audit: BranchAudit, tokenizer: Any) -
             drift_at[position] = span.kind
     parts = []
     for position, token in enumerate(ids):
+        if position in starts:
+            parts.append(starts[position])
         for kind, text in inserts.get(position, []):
             parts.append(_insert(kind, text))
         classes = ["tok", "sampled" if position in sampled else "prompt"]
@@ -97,6 +108,7 @@ def render_page(session_file: SessionFile, audit: BranchAudit, tokenizer: Any) -
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+        f'<p id="episode">{html.escape(_episode_line(session_file, turns[audit.leaf_turn_id].episode_id))}</p>'
         f'<p id="summary">{html.escape(summary)}</p><p class="legend">{legend}</p>'
         f'<div class="trajectory" id="trajectory">{"".join(parts)}</div></body></html>'
     )
@@ -105,3 +117,21 @@ def render_page(session_file: SessionFile, audit: BranchAudit, tokenizer: Any) -
 def _insert(kind: str, text: str) -> str:
     shown = html.escape(text.replace("\n", "↵"))
     return f'<span class="drift-insert" data-kind="{kind}" style="--kind: {COLORS[kind]}">+{shown}</span>'
+
+
+def _turn_start(turn: Any) -> str:
+    label = (f"turn {turn.turn_id} · {turn.call} · +{len(turn.prompt_added_ids)} prompt ids, "
+             f"{len(turn.completion_ids)} sampled · {turn.finish_reason or '-'}")  # fmt: skip
+    return (f'<span class="turn-start" id="turn-{turn.turn_id}" data-turn="{turn.turn_id}" '
+            f'data-call="{html.escape(turn.call)}">{html.escape(label)}</span>')  # fmt: skip
+
+
+def _episode_line(session_file: SessionFile, episode: str) -> str:
+    """What the branch's episode is scored and grouped as (the export's view of its annotations)."""
+    for view in episode_views([session_file]):
+        if view.episode == episode:
+            notes = view.notes
+            reward = f"reward {notes.reward:g}" if notes.reward is not None else "no reward"
+            labels = ("labels " + ", ".join(notes.labels)) if notes.labels else "no labels"
+            return f"episode {episode}: {reward}, group {view.group}, {labels}"
+    return f"episode {episode}"

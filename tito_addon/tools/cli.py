@@ -1,12 +1,16 @@
 """`python -m tito_addon`: run mitmdump with the addon, or one of the subcommands (`--help` lists them).
 
 python -m tito_addon [mitmdump args]          mitmdump -s tito_addon/__init__.py, connection_strategy=lazy
-python -m tito_addon show RECORD_DIR|FILE [--session ID]... [--json]
-                                               print recorded turns
+python -m tito_addon show RECORD_DIR|FILE [SELECTION] [--full] [--width N] [--json]
+                                               a session as a person reads it: episodes, turns, calls, results
 python -m tito_addon export RECORD_DIR OUT [--format generic|verl|slime|verl-dataset] [--to parquet|jsonl|pt]
-                                  [--session ID]... [--group-size N [--group-policy refuse|drop|pad]]
+                                  [SELECTION] [--group-size N [--group-policy refuse|drop|pad]]
                                   [--dedupe-shared-turns]
                                                one row per segment, grouped, for trainers
+python -m tito_addon audit RECORD_DIR [SELECTION] [--json OUT] [--html PAGE] [--branch SESSION:LEAF]
+                                               drift against a stock re-render
+    SELECTION: --session ID, --session-prefix P (both repeatable), --sessions-file FILE (one id a line);
+    the named ids first, then each prefix's matches in id order; none given: every session
 python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
 python -m tito_addon demo                      an end-to-end capture against the reference backend
 python -m tito_addon verify-template --tokenizer PATH [--family NAME] [--chat-template-kwargs JSON]
@@ -51,11 +55,11 @@ def shown_sessions(path: Path, session_ids: list[str] | None) -> Iterator[Sessio
     """What `show` reads: every session of a record dir, the named ones (whole ids), or the session of one record
     file (with its other writers' parts beside it, without which its turns may not rebuild)."""
     if path.is_file():
-        if session_ids:
+        if session_ids is not None:
             raise RecordError("--session names sessions of a record dir; a record file is already one session")
         yield merge_parts(session_parts(path.parent).get(base_name(path.name), [path]))
         return
-    if not session_ids:
+    if session_ids is None:
         yield from iter_session_files(path)
         return
     if not path.is_dir():
@@ -67,51 +71,64 @@ def shown_sessions(path: Path, session_ids: list[str] | None) -> Iterator[Sessio
         yield session_file
 
 
+def add_selection(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--session", action="append", metavar="ID", help=f"{what} this session, its whole id (repeatable)"
+    )
+    parser.add_argument(
+        "--session-prefix",
+        action="append",
+        metavar="P",
+        help=f"{what} every session whose id starts with P, in id order (repeatable)",
+    )
+    parser.add_argument(
+        "--sessions-file",
+        type=Path,
+        metavar="FILE",
+        help=f"{what} the sessions named in FILE: one id a line, blank and # lines skipped",
+    )
+
+
+def selection(args: argparse.Namespace) -> list[str] | None:
+    """The ids `--session`, `--sessions-file` and `--session-prefix` name, or None (every session)."""
+    from tito_addon.records.session_selection import select_sessions
+
+    if args.record_dir.is_file():
+        asked = args.session or args.session_prefix or args.sessions_file
+        return [] if asked else None  # `shown_sessions` refuses a selection on one file
+    return select_sessions(args.record_dir, args.session, args.session_prefix, args.sessions_file)
+
+
 def show(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tito_addon show", description="Print recorded turns.")
+    import shutil
+
+    from tito_addon.tools.session_view import session_text, turn_json
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tito_addon show",
+        description="Print recorded sessions: per episode its reward, group, labels and segments; per turn its tool "
+        "calls with their arguments, the results that answered them, reasoning and text.",
+    )
     parser.add_argument("record_dir", type=Path, metavar="RECORD_DIR|FILE", help="a record dir or one record file")
-    parser.add_argument("--session", action="append", metavar="ID", help="only this session, its whole id (repeatable)")
+    add_selection(parser, "only")
     parser.add_argument("--json", action="store_true", help="one JSON object per turn, with full prompt ids")
+    parser.add_argument("--full", action="store_true", help="whole texts, tool arguments and results, not shortened")
+    parser.add_argument("--width", type=int, metavar="N", help="cut lines to N characters (default: the terminal's)")
     args = parser.parse_args(argv)
+    width = args.width or shutil.get_terminal_size((160, 24)).columns
     try:
-        for session_file in shown_sessions(args.record_dir, args.session):
-            ids = session_file.full_ids()
+        for session_file in shown_sessions(args.record_dir, selection(args)):
             if not args.json:
-                closed = f", closed ({session_file.closes[-1].reason})" if session_file.closes else ""
-                parts = len(session_file.paths)
-                name = session_file.path.name if parts == 1 else f"{session_file.path.name} and {parts - 1} more parts"
-                session_id = session_file.turns[0].session_id if session_file.turns else "(no turns)"
-                print(f"session {session_id} ({name}): {len(session_file.turns)} turns{closed}")
+                for line in session_text(session_file, width, args.full):
+                    print(line)
+                continue
+            ids = session_file.full_ids()
+            notes: dict[int, list[Any]] = {}
+            for note in session_file.annotations:
+                if note.turn_id is not None:
+                    notes.setdefault(note.turn_id, []).append(note)
             for turn in session_file.turns:
-                prompt, completion = ids[turn.turn_id]
-                if args.json:
-                    row = {
-                        "session_id": turn.session_id,
-                        "turn_id": turn.turn_id,
-                        "parent_turn_id": turn.parent_turn_id,
-                        "api": turn.api,
-                        "reply_id": turn.reply_id,
-                        "episode": turn.episode_id,
-                        "call": turn.call,
-                        "follows": turn.follows.model_dump(exclude_none=True) if turn.follows else None,
-                        "prompt_ids": prompt,
-                        "completion_ids": completion,
-                        "completion_logprobs": turn.completion_logprobs,
-                        "finish_reason": turn.finish_reason,
-                    }
-                    print(json.dumps(row, ensure_ascii=False))
-                else:
-                    message = turn.assistant_message
-                    text = (message.get("content") or "").replace("\n", " ")
-                    calls = [c.get("function", {}).get("name") for c in message.get("tool_calls") or []]
-                    summary = text[:60] + ("…" if len(text) > 60 else "")
-                    if calls:
-                        summary = (summary + " " if summary else "") + f"→ {', '.join(calls)}()"
-                    print(
-                        f"  turn {turn.turn_id:>3} ← {str(turn.parent_turn_id):>4}  "
-                        f"prompt {len(prompt):>6} (+{len(turn.prompt_added_ids)})  completion {len(completion):>5}  "
-                        f"{turn.finish_reason or '-':10} {summary}"
-                    )
+                print(turn_json(turn, ids[turn.turn_id], notes.get(turn.turn_id, [])))
     except RecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -143,7 +160,7 @@ def export_command(argv: list[str]) -> int:
         help="row layout: generic, verl, slime or verl-dataset; parquet or jsonl: the generic layout in that file type",
     )
     parser.add_argument("--to", choices=FILE_TYPES, help="file type (default: parquet; pt: slime's rollout files)")
-    parser.add_argument("--session", action="append", metavar="ID", help="export only this session (repeatable)")
+    add_selection(parser, "export")
     parser.add_argument(
         "--calls",
         metavar="CALLS",
@@ -176,14 +193,14 @@ def export_command(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
+        if not args.record_dir.is_dir():
+            raise RecordError(f"{args.record_dir} is not a directory")
+        chosen = selection(args)
         # Sessions, not files: one session may have a part per writer process.
-        if args.session:
-            sessions = len(dict.fromkeys(args.session))
-        else:
-            sessions = len(session_parts(args.record_dir)) if args.record_dir.is_dir() else 0
+        sessions = len(chosen) if chosen is not None else len(session_parts(args.record_dir))
         with Progress(transient=True) as progress:
             task = progress.add_task("reading sessions", total=sessions)
-            files = read_files(args.record_dir, args.session, lambda: progress.advance(task))
+            files = read_files(args.record_dir, chosen, lambda: progress.advance(task))
         rows, arrangement = rows_of(files, layout, options)
         if file_type == "pt":
             from tito_addon.trainers.slime_rollouts import SlimeRolloutError, write_rollout_files
@@ -308,9 +325,14 @@ def audit_command(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, help="write the full audit (every differing span) as JSON here")
     parser.add_argument("--html", type=Path, help="write one trajectory, token by token, as an HTML page here")
     parser.add_argument("--branch", help="SESSION:LEAF_TURN for --html (default: the first branch)")
+    add_selection(parser, "audit only")
     args = parser.parse_args(argv)
     try:
-        files = list(iter_session_files(args.record_dir))
+        if not args.record_dir.is_dir():
+            raise RecordError(f"{args.record_dir} is not a directory")
+        from tito_addon.records.trainer_rows import read_files
+
+        files = read_files(args.record_dir, selection(args))
         for session_file in files:
             session_file.full_ids()  # a partial recording fails here, before any tokenizer is loaded
         names = {args.tokenizer} if args.tokenizer else {t.tokenizer.name for f in files for t in f.turns[:1]}
@@ -427,7 +449,7 @@ def demo_command(argv: list[str]) -> int:
 
 # name -> (one line for `--help`, the command)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
-    "show": ("print recorded turns: a record dir, one record file, or --session ID", show),
+    "show": ("a session as a person reads it: its episodes, turns, tool calls and results", show),
     "export": (
         "one row per segment for trainers: generic, verl, slime or verl-dataset; parquet, jsonl or pt",
         export_command,

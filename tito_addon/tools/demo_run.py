@@ -3,6 +3,9 @@
 Starts the built-in reference backend (the sglang protocol over a real tokenizer), a real mitmdump with
 the addon in reverse mode in front of it, and an unmodified openai-SDK agent running a tool loop through
 the proxy; then prints the recorded trajectory and checks it against what the backend saw.
+
+It records into `build/demo-recordings/` (ignored by git), never `recordings/`: that is where a user's own
+captures go, and an `export recordings/` would otherwise carry the demo's session into a training set.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ TOOLS = [
         },
     }
 ]
+
+
+DEMO_RECORDINGS = REPO / "build" / "demo-recordings"
 
 
 def default_tokenizer() -> str:
@@ -64,11 +70,12 @@ def run_agent(base_url: str, session_id: str, turns: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tito_addon demo")
     parser.add_argument("--tokenizer", default=default_tokenizer())
-    parser.add_argument("--record-dir", type=Path, default=Path("recordings"))
+    parser.add_argument("--record-dir", type=Path, default=DEMO_RECORDINGS, help=f"default: {DEMO_RECORDINGS}")
     parser.add_argument("--turns", type=int, default=6)
     args = parser.parse_args(argv)
     session_id = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"reference backend: sglang protocol over the tokenizer {args.tokenizer}")
+    print(f"recording into {args.record_dir} (the demo's own folder; recordings/ stays yours)")
     try:
         replica = ReplicaThread(ReplicaConfig(tokenizer=args.tokenizer))
     except OSError as exc:

@@ -44,28 +44,32 @@ def verl_batch(
 ) -> Any:
     """A `verl.DataProto` of the rows (a verl-layout export's path, or its rows), padded as verl's agent loop pads.
     `pad_token_id` fills padding, which `attention_mask` hides from the model."""
-    import numpy as np
-    import torch
-    from verl import DataProto
-    from verl.utils.model import compute_position_id_with_mask
-
     if prompt_overflow not in PROMPT_OVERFLOW:
         raise ValueError(f"prompt_overflow must be one of: {', '.join(PROMPT_OVERFLOW)}")
     found = read_rows(rows)
     require_columns(found, VERL_COLUMNS, "verl")
     if not found:
         raise ValueError("no rows")
+    # Checked before torch is imported: a wrong length is the rows' matter, told in any environment.
+    longest = longest_lengths(found)
     P = prompt_length if prompt_length is not None else max(len(r["prompts"]) for r in found)
     R = response_length if response_length is not None else max(max(len(r["responses"]) for r in found), 1)
     if P < 1 or R < 1:
-        raise ValueError("prompt_length and response_length must be at least 1")
+        raise ValueError(f"prompt_length and response_length must be at least 1; {longest}")
     long = [r["index"] for r in found if len(r["prompts"]) > P]
     if long and prompt_overflow == "error":
-        raise ValueError(f"{len(long)} rows have prompts longer than prompt_length={P} (rows {long[:10]}): raise "
-                         "prompt_length, or prompt_overflow='drop' leaves them out")  # fmt: skip
+        raise ValueError(f"{len(long)} rows have prompts longer than prompt_length={P} (rows {long[:10]}); {longest}: "
+                         "raise prompt_length (left out, it is the longest prompt), or prompt_overflow='drop' leaves "
+                         "them out")  # fmt: skip
     kept = [r for r in found if len(r["prompts"]) <= P]
     if not kept:
-        raise ValueError(f"every row's prompt is longer than prompt_length={P}")
+        raise ValueError(f"every row's prompt is longer than prompt_length={P}; {longest}")
+
+    import numpy as np
+    import torch
+    from verl import DataProto
+    from verl.utils.model import compute_position_id_with_mask
+
     B = len(kept)
     prompts = torch.full((B, P), pad_token_id, dtype=torch.int64)
     responses = torch.full((B, R), pad_token_id, dtype=torch.int64)
@@ -120,3 +124,15 @@ def verl_batch(
         "truncated_rows": int(truncated.sum()),
     }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+
+
+def longest_lengths(rows: list[dict[str, Any]]) -> str:
+    """The longest prompt and response of the rows and which rows they are: what to set the lengths to."""
+
+    def where(row: dict[str, Any]) -> str:
+        return f"row {row['index']}, episode {row['episode']!r}, segment {row['segment']}"
+
+    prompt = max(rows, key=lambda r: len(r["prompts"]))
+    response = max(rows, key=lambda r: len(r["responses"]))
+    return (f"the longest prompt is {len(prompt['prompts'])} tokens ({where(prompt)}), the longest response "
+            f"{len(response['responses'])} ({where(response)})")  # fmt: skip

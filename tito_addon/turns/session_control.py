@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from tito_addon.canonical_chat import json_value_problem
-from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.http_reply import HttpReply, json_reply, refusal_reply
 from tito_addon.protocols.json_body import parse_json_object, validated
 from tito_addon.records.record_models import MAX_METADATA_BYTES, AnnotationRecord
 from tito_addon.records.record_reader import (
@@ -31,7 +31,8 @@ from tito_addon.records.record_reader import (
     session_parts,
     session_paths,
 )
-from tito_addon.records.rollout_groups import GROUP_POLICIES, GroupSizeError
+from tito_addon.records.rollout_groups import GROUP_POLICIES, GroupSizeError, episode_views
+from tito_addon.records.session_selection import recorded_session_ids, with_prefixes
 from tito_addon.records.trainer_rows import (
     LAYOUTS,
     ROW_FILE_TYPES,
@@ -51,7 +52,8 @@ MAX_BODY = 1024 * 1024
 MAX_WAIT_S = 600.0
 POLL_S = 0.02
 ANNOTATION_FIELDS = {"turn_id", "reward", "labels", "metadata", "group", "scope"}
-ROWS_FIELDS = {"sessions", "format", "to", "calls", "group_size", "group_policy", "dedupe_shared_turns"}
+ROWS_FIELDS = {"sessions", "session_prefix", "format", "to", "calls", "group_size", "group_policy",
+               "dedupe_shared_turns"}  # fmt: skip
 MAX_ROWS_SESSIONS = 100_000
 CONTENT_TYPES = {
     "parquet": "application/vnd.apache.parquet",
@@ -80,7 +82,23 @@ def summary_of(recorded: SessionFile) -> dict[str, Any] | None:
         "branches": sum(1 for turn in recorded.turns if turn.turn_id not in parents),
         "last_turn_at": last_turn or None,
         "closed": close.reason if close is not None else None,
-        "annotations": len(recorded.annotations),
+        "annotation_count": len(recorded.annotations),
+    }
+
+
+def annotations_of(recorded: SessionFile | None) -> dict[str, Any]:
+    """What `GET /v1/sessions/{id}` says of a session's annotations: every annotation line as recorded (in the order
+    written), and what they add up to as the export applies them (latest wins; see `records/episode_segments`): per
+    episode, and at the top for a session of one episode (a named session's)."""
+    views = episode_views([recorded]) if recorded is not None and recorded.turns else []
+    episodes = [{"episode": v.episode, "reward": v.notes.reward, "labels": v.notes.labels, "metadata": v.notes.metadata,
+                 "group": v.group, "segments": len(v.segments)} for v in views]  # fmt: skip
+    one = episodes[0] if len(episodes) == 1 else {}
+    lines = recorded.annotations if recorded is not None else []
+    return {
+        "annotations": [note.model_dump(by_alias=True, exclude_none=True) for note in lines],
+        **{key: one.get(key) for key in ("reward", "labels", "metadata", "group")},
+        "episodes": episodes,
     }
 
 
@@ -100,7 +118,7 @@ class SessionControl:
         try:
             return await self._route(method, path, body)
         except TitoError as error:
-            return json_reply(error.status, error.body())
+            return refusal_reply(error)
 
     async def _route(self, method: str, path: str, body: bytes) -> HttpReply:
         split = urlsplit(path)
@@ -147,7 +165,7 @@ class SessionControl:
         if method in (allowed, also):
             return None
         error = TitoError(f"method {method} not allowed here; use {allowed}", status=405)
-        reply = json_reply(405, error.body())
+        reply = refusal_reply(error)
         reply.headers["allow"] = ", ".join(m for m in (allowed, also) if m)
         return reply
 
@@ -196,8 +214,10 @@ class SessionControl:
     async def list_sessions(self, query: dict[str, str]) -> HttpReply:
         limit = bounded_int(query.get("limit", "1000"), "limit", 1, 100000)
         live_only = flag(query.get("live", "false"), "live")
-        live = await self._live(limit)
+        prefix = query.get("prefix", "")
+        live = {sid: state for sid, state in (await self._live(limit)).items() if sid.startswith(prefix)}
         recorded = [] if live_only else await asyncio.to_thread(self._summaries_of, self._record_dir())
+        recorded = [summary for summary in recorded if summary["session_id"].startswith(prefix)]
         rows: dict[str, dict[str, Any]] = {}
         for summary in recorded:
             sid = summary["session_id"]
@@ -214,8 +234,13 @@ class SessionControl:
         state = await self._state(session_id)
         if summary is None and not state["live"]:
             raise NotFound(f"no session {session_id!r} is live or recorded")
-        base = summary or {"session_id": session_id, "turns": 0, "tokens": 0, "branches": 0, "closed": None}
-        return {**base, "last_activity": base.get("last_turn_at"), **state}
+        base = summary or {"session_id": session_id, "turns": 0, "tokens": 0, "branches": 0, "closed": None,
+                           "annotation_count": 0}  # fmt: skip
+        try:
+            notes = await asyncio.to_thread(annotations_of, recorded)
+        except RecordError as exc:
+            raise TitoError(f"cannot read the record of session {session_id!r}: {exc}", status=409) from exc
+        return {**base, **notes, "last_activity": base.get("last_turn_at"), **state}
 
     async def _state(self, session_id: str) -> dict[str, Any]:
         """Whether the session is live and how many of its turns are in flight, wherever the sessions live."""
@@ -239,17 +264,23 @@ class SessionControl:
         unknown = sorted(set(obj) - ROWS_FIELDS)
         if unknown:
             raise BadRequest(f"unknown field(s): {', '.join(unknown)}; allowed: {', '.join(sorted(ROWS_FIELDS))}")
-        sessions = obj.get("sessions")
-        if not isinstance(sessions, list) or not sessions or not all(isinstance(s, str) for s in sessions):
+        sessions, prefix = obj.get("sessions"), obj.get("session_prefix")
+        if prefix is not None and (not isinstance(prefix, str) or not prefix):
+            raise BadRequest("session_prefix must be a non-empty string")
+        if sessions is None and prefix is None:
+            raise BadRequest("name the sessions: sessions (a list of ids), session_prefix, or both")
+        listed = isinstance(sessions, list) and sessions and all(isinstance(s, str) for s in sessions)
+        if sessions is not None and not listed:
             raise BadRequest("sessions must be a non-empty list of session ids")
-        if len(sessions) > MAX_ROWS_SESSIONS:
-            raise BadRequest(f"at most {MAX_ROWS_SESSIONS} sessions in one rows call")
-        for session_id in sessions:
+        for session_id in sessions or []:
             problem = session_id_problem(session_id)
             if problem is not None:
                 raise BadRequest(f"invalid session id {session_id[:80]!r}: {problem}")
         layout, file_type = rows_format(obj.get("format", "generic"), obj.get("to", "jsonl"), summary=True)
         options = rows_options(obj)
+        sessions = await self._selected(sessions or [], prefix)  # the records listed only for a valid request
+        if len(sessions) > MAX_ROWS_SESSIONS:
+            raise BadRequest(f"at most {MAX_ROWS_SESSIONS} sessions in one rows call")
         found = []
         for session_id in dict.fromkeys(sessions):
             recorded = await self._recorded(session_id)
@@ -257,6 +288,17 @@ class SessionControl:
                 raise NotFound(f"session {session_id!r} has no recorded turns")
             found.append(recorded)
         return await self._rows_reply(found, layout, file_type, options)
+
+    async def _selected(self, sessions: list[str], prefix: str | None) -> list[str]:
+        """The named sessions, then (in id order) every recorded session whose id starts with `prefix`."""
+        if prefix is None:
+            return sessions
+        try:
+            return with_prefixes(await asyncio.to_thread(recorded_session_ids, self._record_dir()), [prefix], sessions)
+        except OSError as exc:
+            raise TitoError(f"cannot list the recorded sessions: {exc}", status=409) from exc
+        except RecordError as exc:  # nothing recorded, or nothing of that prefix
+            raise NotFound(str(exc)) from exc
 
     async def _rows_reply(
         self, found: list[SessionFile], layout: str, file_type: str, options: ExportOptions
