@@ -9,12 +9,15 @@ of every terminal; `backend` and `proxy` run in the background until the end; `o
 (Claude Code 2.1.332), `codex` (Codex 0.171.0 with `-m qwen3` and `-m gpt-oss-20b`) and `gemini-cli` (Gemini CLI
 0.61.0) each capture a session named by its API key; `look` shows, exports and audits them. Codex without `-m` (its
 default model) is the codex block's own command with `-m` taken out: it must get the 400 the README describes, and
-record nothing.
+record nothing. `driver` runs examples/rollout_driver.py over Claude Code (2 tasks x 2 samples) into one verl-layout
+Parquet file, and `verl-step` feeds that file to verl's GRPO `compute_advantage` in `.venv-trainers`: run where that
+environment exists, which CI guarantees (`make test-all` builds it before its serial group; TITO_TRAINERS_REQUIRED=1
+fails the test without it), skipped elsewhere with the rest of the test still run.
 
 What is checked: every block's exit status; each agent's session on disk token exact against what the backend
 process says it generated (`GET /_replica/generated`), one chain of exact ids with three tool round trips per
 prompt whose results hold what the real tool printed; the export's rows; and that the agent table's rows say what
-the recipes run. The run takes about 15 s (the full tier, alone on the machine); the table check is cheap and runs in
+the recipes run. The run takes about 40 s (the full tier, alone on the machine); the table check is cheap and runs in
 `make test`.
 """
 
@@ -31,6 +34,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 import pytest
@@ -42,14 +46,17 @@ from tito_addon.records.record_reader import iter_session_files
 
 README = REPO / "README.md"
 RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\n```bash\n(.*?)```", re.S)
-RECIPES = ["install", "terminal", "backend", "proxy", "openai-python", "claude-code", "codex", "gemini-cli", "look"]
+RECIPES = ["install", "terminal", "backend", "proxy", "openai-python", "claude-code", "codex", "gemini-cli", "look",
+           "driver", "verl-step"]  # fmt: skip
+DRIVER_TASKS, DRIVER_SAMPLES = ["list-folder", "count-files"], 2  # examples/shell_tasks.jsonl, the recipe's --samples
+TRAINERS = REPO / ".venv-trainers" / "bin" / "python"
 BACKEND, PROXY = 30000, 8080  # the recipes' own ports
 SESSIONS = {"weather": "chat", "claude": "anthropic_messages", "codex": "openai_responses",
             "codex-oss": "openai_responses", "gemini": "gemini"}  # fmt: skip
 TOOL_ROUNDS = 3  # the backend recipe's --tool-rounds
 BLOCK_TIMEOUT_S = 240
 # Entries of the repository the scratch view does not link: what the recipes write, and what they must not see.
-OWN = {".git", "recordings", "codex-home", "gemini-home", "rows.parquet", "build"}
+OWN = {".git", "recordings", "codex-home", "gemini-home", "rows.parquet", "rollouts.parquet", "build"}
 
 
 def getting_started() -> str:
@@ -232,13 +239,30 @@ def test_getting_started_runs_as_written(network: Network, agent_clis: Path, tmp
         generated = scratch.get_json(f"http://127.0.0.1:{BACKEND}/_replica/generated")
         looked = scratch.run("look", blocks["look"])
         assert looked.returncode == 0, ran(looked)
+        driven = scratch.run("driver", blocks["driver"])
+        assert driven.returncode == 0, (ran(driven), scratch.log("proxy")[-4000:])
+        verl_step = None
+        if TRAINERS.exists():
+            verl_step = scratch.run("verl-step", blocks["verl-step"])
+            assert verl_step.returncode == 0, ran(verl_step)
+        elif os.environ.get("TITO_TRAINERS_REQUIRED") == "1":
+            pytest.fail(f"{TRAINERS} is missing: run scripts/setup_trainers.sh (the verl-step recipe needs it)")
     finally:
         scratch.stop()
 
     proxy_log = scratch.log("proxy")
     assert not re.findall(r"<< 5\d\d\b.*", proxy_log), proxy_log[-6000:]
-    # The refused request is the log's only 4xx: no agent had a request refused and retried out of sight.
-    assert len(re.findall(r"<< 4\d\d\b", proxy_log)) == 1, re.findall(r"<< 4\d\d\b.*", proxy_log)
+    # The refused request is the log's only 4xx but the driver's preflight: its tokenless probe of the control API (a
+    # 401: the control host is served) and its check that each episode name is unused (a 404 each). No agent had a
+    # request refused and retried out of sight. (mitmdump logs a reverse-mode request by the backend URL it would
+    # have gone to, even one the proxy answers itself, and cuts long URLs short.)
+    answered = re.findall(r"^\S+: (\S+) (\S+)[^\n]*\n\s*<< (4\d\d)\b", proxy_log, re.M)
+    probes = [r for r in answered if (r[0], urlsplit(r[1]).path, r[2]) == ("GET", "/v1/info", "401")]
+    unused = [r for r in answered if r[0] == "GET" and urlsplit(r[1]).path.startswith("/v1/sessions/run-") and
+              r[2] == "404"]  # fmt: skip
+    others = [r for r in answered if r not in probes and r not in unused]
+    assert len(probes) == 1 and len(unused) == len(DRIVER_TASKS) * DRIVER_SAMPLES, answered
+    assert len(others) == 1 and others[0][2] == "400", answered  # Codex's default model
 
     record_dir = scratch.root / "recordings"
     files = {f.turns[0].session_id: f for f in iter_session_files(record_dir) if f.turns}
@@ -281,3 +305,25 @@ def test_getting_started_runs_as_written(network: Network, agent_clis: Path, tmp
         prompt, completion = session.full_ids()[session.turns[-1].turn_id]
         assert row["input_ids"] == prompt + completion
     assert "claude" in looked.stdout and "drift" in looked.stdout.lower(), looked.stdout[-3000:]
+
+    # The driver's batch: one run prefix, every episode a Claude Code session of its own, its rows the records.
+    (prefix,) = re.findall(r"^run prefix: (run-[\w-]+)$", driven.stdout, re.M)
+    episodes = len(DRIVER_TASKS) * DRIVER_SAMPLES
+    assert f"{episodes} episodes (0 failed)" in driven.stdout, ran(driven)
+    assert "WARNING: every group's rewards are equal" in driven.stderr, ran(driven)  # the scripted model, as said
+    rows = pq.read_table(scratch.root / "rollouts.parquet").to_pylist()
+    names = [f"{prefix}-{i:04d}" for i in range(episodes)]
+    assert [r["session_id"] for r in rows] == names, [r["session_id"] for r in rows]
+    assert [r["uid"] for r in rows] == [t for t in DRIVER_TASKS for _ in range(DRIVER_SAMPLES)]
+    assert [r["rollout_id"] for r in rows] == [r["index"] for r in rows] == list(range(episodes))
+    for row in rows:
+        session = files[row["session_id"]]
+        assert {t.api for t in session.turns} == {"anthropic_messages"} and len(session.turns) == TOOL_ROUNDS + 1
+        assert [c.reason for c in session.closes] == ["closed"], "the driver closed its episode"
+        prompt, completion = session.full_ids()[session.turns[-1].turn_id]
+        assert row["prompts"] + row["responses"] == prompt + completion, row["session_id"]
+        assert row["reward"] == 1.0, "the default rule: Bash used, then an answer"
+    if verl_step is not None:
+        lines = verl_step.stdout.splitlines()
+        assert lines == [f"group {t}: reward 1.00, largest |advantage| 0.000" for t in DRIVER_TASKS
+                         for _ in range(DRIVER_SAMPLES)], ran(verl_step)  # fmt: skip

@@ -6,19 +6,23 @@ HTTP client does that when told to use the proxy), or with `Host: tito.control` 
 Off unless `tito_control_token` is set; the host is then not served at all (the flow goes wherever it was going).
 With it, every request must carry `Authorization: Bearer TOKEN`: anything else is the same 401, whatever the path,
 so a caller without the token learns nothing. A body over 1 MiB is a 413 (mitmproxy reads a body before any answer
-goes out, so one declared over 64 MiB closes the connection unread). What each route does: `turns/session_control`.
+goes out, so one declared over 64 MiB closes the connection unread). What each route does: `turns/session_control`,
+except `GET /v1/info`, answered here: what a driver must know of this proxy's configuration before it runs agents.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import re
+from importlib import metadata
 from typing import Any
+from urllib.parse import urlsplit
 
 from mitmproxy import ctx, exceptions, http
 
-from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.http_reply import HttpReply, json_reply, refusal_reply
 from tito_addon.proxy.turn_wiring import TurnWiring
 from tito_addon.tito_errors import TitoError
 from tito_addon.turns.session_control import MAX_BODY, SessionControl
@@ -29,11 +33,39 @@ CONTROL = "tito_control"
 HOST_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
 MIN_TOKEN = 16
 HARD_CAP = 64 * 1024 * 1024  # a declared control body past this closes the connection unread
+INFO_PATH = "/v1/info"
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("tito_addon")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def proxy_info() -> dict[str, Any]:
+    """What a driver checks before it starts an agent: how episodes are named (the API-key prefix, whether proxy
+    auth needs a password: never the password itself), what a closed name does, and which backend and tokenizer
+    the rows will come from."""
+
+    def option(name: str) -> Any:
+        # Declared by the other addons: a proxy embedding this one alone answers null rather than failing.
+        return getattr(ctx.options, "tito_" + name, None)
+
+    return {
+        "version": package_version(),
+        "session_api_key_prefix": option("session_api_key_prefix") or None,
+        "after_close": option("after_close"),
+        "proxy_auth_password_required": bool(option("proxy_auth_password")),
+        "backend_kind": option("backend_kind"),
+        "model_family": option("model_family"),
+        "tokenizer": option("tokenizer") or None,
+    }
 
 
 def unauthorized() -> http.Response:
-    body = TitoError("unauthorized", status=401).body()
-    return http.Response.make(401, body, {"content-type": "application/json", "www-authenticate": "Bearer"})
+    error = TitoError("unauthorized", status=401)
+    return http.Response.make(401, error.body(), {**error.headers(), "www-authenticate": "Bearer"})
 
 
 class ControlAddon:
@@ -117,12 +149,22 @@ class ControlAddon:
             body = flow.request.raw_content or b""
             if len(body) > MAX_BODY or flow.request.headers.get("content-encoding"):
                 reply = refusal(413 if len(body) > MAX_BODY else 415, "request body too large or encoded")
+            elif urlsplit(flow.request.path).path == INFO_PATH:
+                reply = self.info(flow.request.method)
             else:
                 reply = await self.control.handle(flow.request.method, flow.request.path, body)
             flow.response = http.Response.make(reply.status, reply.body, reply.headers)
         except Exception:
             logger.exception("tito control: unexpected failure")
             flow.response = internal_error()
+
+    @staticmethod
+    def info(method: str) -> HttpReply:
+        if method != "GET":
+            reply = refusal(405, f"method {method} not allowed here; use GET")
+            reply.headers["allow"] = "GET"
+            return reply
+        return json_reply(200, json.dumps(proxy_info()).encode())
 
 
 def internal_error() -> http.Response:
@@ -131,4 +173,4 @@ def internal_error() -> http.Response:
 
 
 def refusal(status: int, message: str) -> HttpReply:
-    return json_reply(status, TitoError(message, status=status).body())
+    return refusal_reply(TitoError(message, status=status))
