@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 import datasets
+import pytest
 from conftest import tokenizer_path
 from proxy_harness import REPO, Mitmdump
 
@@ -111,6 +112,7 @@ def files_of(record_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(record_dir)): p.read_bytes() for p in sorted(record_dir.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.full  # three driver runs (12 s here): `make test` keeps the first test and the preflight's
 def test_a_second_run_never_touches_the_first_runs_episodes(tmp_path: Path) -> None:
     """Same explicit --prefix twice: the second run is refused before any agent starts, naming the taken sessions,
     and the first run's records (rewards, labels, closes) and rows are byte-identical after it; then a run with the
@@ -166,6 +168,7 @@ else:
 """
 
 
+@pytest.mark.full  # three driver runs (16 s here)
 def test_tasks_file_and_reward_command_and_the_zero_variance_warning(tmp_path: Path) -> None:
     """A task file's tasks are the groups, the reward command's rewards and labels are the rows'; equal rewards in
     every group print the zero-variance warning, varied ones do not; a command printing garbage gives its episode no

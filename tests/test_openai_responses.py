@@ -166,7 +166,10 @@ def test_previous_response_id_continues_the_stored_turn_even_after_a_restart(rep
     assert [t.parent_turn_id for t in turns] == [None, 0, 1]
     assert [t.reply_id for t in turns] == [first.id, second.id, third.id]
     assert any("instructions" in note for note in turns[1].left_out)
-    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    # OpenAI's own answer: a 400 that no client retries, its code saying which reference failed.
+    error = missing.json()["error"]
+    assert missing.status_code == 400 and missing.headers["x-should-retry"] == "false"
+    assert error["type"] == "invalid_request_error" and error["code"] == "previous_response_not_found", error
 
 
 def test_reasoning_round_trips_through_encrypted_content_only(proxy, replica) -> None:

@@ -111,6 +111,18 @@ class SessionClosed(TitoError):
         self.session_id = session_id
 
 
+class UnknownReply(TitoError):
+    """A Responses request continues a `previous_response_id` this proxy never recorded: final, as OpenAI's own
+    `previous_response_not_found`."""
+
+    status = 404
+    error_type = "previous_response_not_found"
+    retryable = False
+
+    def __init__(self, reply_id: str) -> None:
+        super().__init__(f"previous response {reply_id!r} is not a turn this proxy has recorded")
+
+
 class StoreUnavailable(TitoError):
     """The sessions' store cannot be reached or failed: the turn is refused (503), nothing forwarded or recorded."""
 

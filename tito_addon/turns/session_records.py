@@ -29,7 +29,14 @@ from tito_addon.sessions.session_space import (
     SessionState,
 )
 from tito_addon.sessions.session_tree import Attachment, TurnNode
-from tito_addon.tito_errors import BadRequest, SessionClosed, SessionGone, StoreUnavailable, TitoError
+from tito_addon.tito_errors import (
+    BadRequest,
+    SessionClosed,
+    SessionGone,
+    StoreUnavailable,
+    TitoError,
+    UnknownReply,
+)
 from tito_addon.turns.episode_places import EpisodeLinks, interrupted_call
 from tito_addon.turns.turn_record import CompletedTurn
 from tito_addon.turns.turn_types import ParsedRequest, PreparedTurn
@@ -209,7 +216,7 @@ class SessionRecords:
 def attach_to_reply(node: TurnNode | None, reply_id: str, session_id: str | None) -> Attachment:
     """Where a request naming a previous reply attaches: that reply's turn, in the session the request names."""
     if node is None:
-        raise TitoError(f"previous response {reply_id!r} is not a turn this proxy has recorded", status=404)
+        raise UnknownReply(reply_id)
     if session_id is not None and node.session.session_id != session_id:
         raise BadRequest(f"previous response {reply_id!r} belongs to another session than {session_id!r}")
     return Attachment(node.session, node, node.message_end)
