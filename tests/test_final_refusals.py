@@ -60,6 +60,11 @@ def closed(replica, tmp_path_factory):
         agent.chat.completions.create(model="m", messages=MESSAGES)
         with TitoClient(proxy.url, TOKEN) as tito:
             assert tito.close(EPISODE)["closed"] is True
+        # The log lags the answers: a test counting from here must not see this turn's 200 arrive after its baseline.
+        deadline = time.monotonic() + 10
+        while "200" not in answered(proxy) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        requests_seen(proxy, 0, at_least=len(answered(proxy)))
         yield proxy
 
 
