@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,27 @@ from tito_addon.engine.ascii_words import ascii_words
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool) -> Any:
-    """Load a tokenizer only (never a model; transformers runs here without torch)."""
+def auto_tokenizer() -> Any:
+    """transformers' AutoTokenizer, imported without its advice that PyTorch is missing: we load tokenizers only, so
+    "Models won't be available" would read as a fault in every proxy's first log lines."""
+    if "transformers" not in sys.modules:
+        previous = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+        try:
+            import transformers  # noqa: F401
+        finally:
+            if previous is None:
+                del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+            else:
+                os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = previous
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool) -> Any:
+    """Load a tokenizer only (never a model; transformers runs here without torch)."""
+    return auto_tokenizer().from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
 
 
 def generation_eos_ids(name_or_path: str) -> list[int]:

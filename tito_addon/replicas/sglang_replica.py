@@ -1533,6 +1533,8 @@ async def _serve(config: ReplicaConfig, host: str, port: int, port_file: str | N
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tito_addon reference-backend --tokenizer DIR [--port N] ...``"""
+    # This process loads a tokenizer only: transformers' advice that PyTorch is missing would read as a fault.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     ap = argparse.ArgumentParser(
         prog="python -m tito_addon reference-backend",
         description="sglang-compatible reference backend (scripted model over a real HF tokenizer).",

@@ -166,7 +166,8 @@ def turn_lines(
     parent = "" if turn.parent_turn_id is None else f" ← {turn.parent_turn_id}"
     head = f"turn {turn.turn_id}{parent} {turn.call}: prompt {turn.prompt_len} (+{len(turn.prompt_added_ids)}), "
     head += f"completion {len(turn.completion_ids)}, {turn.finish_reason or '-'}"
-    lines.add(2, head + ("  → " + ", ".join(f"{name}()" for name, _ in calls) if calls else ""))
+    # Names only here: the calls with their arguments follow, one a line (a bare `Bash()` read as a call without any).
+    lines.add(2, head + ("  → " + ", ".join(name for name, _ in calls) if calls else ""))
     for appended in turn.appended_messages or ():
         role = appended.get("role")
         if role == "tool" and appended.get("tool_call_id") in calls_made:
