@@ -301,3 +301,27 @@ async def test_families_whose_parsers_depend_on_chunking_keep_one_derender_call_
         assert max(sizes) > 1 and len(calls) < len(completion), sizes
     else:
         assert set(sizes) == {1} and len(calls) == len(completion), sizes  # a call ends at every token boundary
+
+
+def test_many_first_turns_streamed_at_once_on_a_fresh_proxy_all_stream(tmp_path: Path) -> None:
+    """The live server starts on the first streamed turn: turns that arrive together all wait for that one start (two
+    starts at once had one agent answered 500, seen against a real vLLM)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.01)
+    with VllmReplicaThread(config) as replica, vllm_proxy(replica.url, tmp_path / "rec", tmp_path) as proxy:
+
+        def stream(i: int) -> str:
+            session = f"first-{i}"
+            agent = client(proxy, session).with_options(max_retries=0)  # a 500 must not pass as its retry
+            with agent.chat.completions.stream(
+                model=MODEL, messages=[{"role": "user", "content": f"Weather in city {i}?"}], seed=i
+            ) as events:
+                assert sum(event.type == "chunk" for event in events) > 1
+            return session
+
+        with ThreadPoolExecutor(12) as pool:
+            sessions = list(pool.map(stream, range(12)))
+        for session in sessions:
+            turns, _ = records(tmp_path / "rec", session)
+            assert len(turns) == 1, session

@@ -8,6 +8,7 @@ means the agent went away: the stream is closed, which closes the upstream reque
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -42,17 +43,22 @@ class LiveStreamServer:
         self.jobs: dict[str, StreamJob] = {}
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
+        self._starting = asyncio.Lock()
         self.disconnects = 0
 
     async def ensure_started(self) -> int:
-        if self.port is None:
-            app = web.Application()
-            app.router.add_post(PATH_PREFIX + "{token}", self._serve)
-            self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = int(self._runner.addresses[0][1])
+        if self.port is not None:
+            return self.port
+        # Streamed turns that arrive together on a fresh proxy all wait for one start: two starts at once replaced
+        # each other's runner, and one read an address its site had not bound yet.
+        async with self._starting:
+            if self.port is None:
+                app = web.Application()
+                app.router.add_post(PATH_PREFIX + "{token}", self._serve)
+                runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", 0).start()
+                self._runner, self.port = runner, int(runner.addresses[0][1])
         return self.port
 
     def park(self, job: StreamJob) -> str:
