@@ -406,6 +406,7 @@ def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) 
     from tito_addon.canonical_chat import ChatMessage
     from tito_addon.sessions.message_keys import message_key
     from tito_addon.sessions.session_tree import MemoryTree
+    from tito_addon.sessions.turn_entity import Turn
 
     per_turn = tokens_per_session // turns
     user = ChatMessage(role="user", content="q")
@@ -419,7 +420,7 @@ def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) 
         session = store.new_session(f"s{s}")
         parent = None
         for t in range(turns):
-            parent = store.commit(session, parent, 2 * (t + 1), keys, (None, None), ids, ids, "stop")
+            parent = store.commit(session, parent, Turn(2 * (t + 1), keys, None, ids, ids, "stop"))
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     total = sessions * turns * 2 * len(ids)

@@ -205,6 +205,7 @@ async def test_an_unexpected_exception_is_answered_never_forwarded(monkeypatch) 
 def test_sessions_command_lists_live_sessions() -> None:
     from tito_addon.canonical_chat import ChatMessage
     from tito_addon.sessions.message_keys import message_key
+    from tito_addon.sessions.turn_entity import Turn
 
     addon = TitoAddon()
     listing = SessionListing(addon.wiring)
@@ -214,7 +215,7 @@ def test_sessions_command_lists_live_sessions() -> None:
         reply = ChatMessage(role="assistant", content="hello")
         session = addon.wiring.memory.tree.new_session("listed-session")
         keys = (message_key(user), message_key(reply))
-        addon.wiring.memory.tree.commit(session, None, 2, keys, (None, None), [1, 2, 3], [4, 5], "stop")
+        addon.wiring.memory.tree.commit(session, None, Turn(2, keys, None, [1, 2, 3], [4, 5], "stop"))
         table = tctx.command(listing.sessions)
     assert "listed-session" in table
     row = next(line for line in table.splitlines() if line.startswith("listed-session"))

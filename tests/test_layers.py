@@ -68,6 +68,7 @@ SESSIONS_INTERFACE = {
     "tito_addon.sessions.session_tree",
     "tito_addon.sessions.message_keys",
     "tito_addon.sessions.session_ids",
+    "tito_addon.sessions.turn_entity",
 }
 ORCHESTRATOR = "tito_addon.turns.turn_service"
 #: A call or a signature with more arguments than this is formatted by the formatter, never packed under `fmt: skip`.

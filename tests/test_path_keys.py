@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tito_addon.sessions.path_keys import ROOT, deepest_by_path, extend, node_digest, running
 from tito_addon.sessions.session_tree import MemoryTree, TurnNode
+from tito_addon.sessions.turn_entity import Turn
 
 
 def key() -> bytes:
@@ -36,15 +37,13 @@ def trees_and_queries(draw):
         if nodes and draw(st.booleans()) and draw(st.booleans()):
             # an identical retry: the same segment again under the same parent
             twin = draw(st.sampled_from(nodes))
-            parent, segment, reasoning = twin.parent, list(twin.segment_keys), twin.segment_reasoning[-1]
+            parent, segment, reasoning = twin.parent, list(twin.turn.segment_keys), twin.turn.reasoning
         else:
             segment = [key() for _ in range(draw(st.integers(1, 3)))]
             reasoning = draw(st.sampled_from([None, "think", "other"]))
         base = paths[id(parent)] if parent is not None else ([], [], [])
         end = len(base[0]) + len(segment)
-        node = store.commit(
-            session, parent, end, tuple(segment), (None,) * (len(segment) - 1) + (reasoning,), [1], [2], "stop"
-        )
+        node = store.commit(session, parent, Turn(end, tuple(segment), reasoning, [1], [2], "stop"))
         nodes.append(node)
         roles = base[1] + ["user"] * (len(segment) - 1) + ["assistant"]
         paths[id(node)] = (base[0] + segment, roles, base[2] + [None] * (len(segment) - 1) + [reasoning])

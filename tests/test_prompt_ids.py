@@ -7,6 +7,7 @@ import json
 
 from tito_addon.engine.prompt_ids import MAX_PIECES, EncodedPrefixes, PromptIds
 from tito_addon.sessions.session_tree import MemoryTree
+from tito_addon.sessions.turn_entity import Turn
 
 
 def chain(store: MemoryTree, turns: int, prefixes: EncodedPrefixes | None, empty_every: int = 0):
@@ -19,8 +20,9 @@ def chain(store: MemoryTree, turns: int, prefixes: EncodedPrefixes | None, empty
         prompt = PromptIds(parent, added, prefixes)
         assert json.loads(b"[" + prompt.json + b"]") == prompt.ids, f"turn {t}: text and list disagree"
         assert len(prompt) == len(prompt.ids)
-        node = store.commit(session, parent, 2 * (t + 1), ((("user", str(t), None),)), (None,), added, completion,
-                            "stop")  # fmt: skip
+        node = store.commit(
+            session, parent, Turn(2 * (t + 1), (("user", str(t), None),), None, added, completion, "stop")
+        )
         prompt.remember(node, completion)
         nodes.append(node)
         parent = node

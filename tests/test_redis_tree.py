@@ -18,8 +18,9 @@ import pytest
 
 from tito_addon.sessions.path_keys import ROOT, extend
 from tito_addon.sessions.redis_sessions import RedisSessions
-from tito_addon.sessions.redis_tree import NewTurn, RedisTree
+from tito_addon.sessions.redis_tree import RedisTree, StoredTurn
 from tito_addon.sessions.session_ids import automatic_session_id
+from tito_addon.sessions.turn_entity import Turn
 from tito_addon.tito_errors import SessionGone, StoreUnavailable
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
@@ -72,11 +73,12 @@ async def claim(t: RedisTree, sid, ns="ns", prompt=b"", fresh="unused", **kw) ->
     return await t.claim(sid, ns, prompt, fresh, now_ms=now(), busy_until_ms=now() + 60_000, **kw)
 
 
-def new_turn(sid: str, turn: int, *, automatic: bool, keys, path: bytes, parent=None, chain=(), end=2, **kw):
-    fields = dict(reasoning=None, added_ids=[1], completion_ids=[2], finish_reason="stop")
+async def commit(t: RedisTree, sid: str, turn: int, *, automatic: bool, keys, path: bytes, parent=None, chain=(), end=2,
+                 **kw) -> None:  # fmt: skip
+    fields = dict(reasoning=None, prompt_added_ids=[1], completion_ids=[2], finish_reason="stop")
     fields.update(kw)
-    return NewTurn(session_id=sid, turn_id=turn, automatic=automatic, namespace="ns", parent_turn_id=parent,
-                   chain=chain, message_end=end, segment_keys=tuple(keys), path=path, **fields)  # fmt: skip
+    stored = StoredTurn(sid, turn, parent, chain, Turn(message_end=end, segment_keys=tuple(keys), **fields))
+    await t.commit(stored, automatic=automatic, namespace="ns", path=path, now_ms=now())
 
 
 def test_concurrent_claims_on_one_session_never_share_a_turn_id(redis_url) -> None:
@@ -116,14 +118,14 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
     async def scenario():
         writer, reader = tree(redis_url, prefix), tree(redis_url, prefix)
         sid, turn0 = await claim(writer, None, prompt=extend(ROOT, keys[:1]), fresh=automatic_session_id())
-        await writer.commit(new_turn(sid, turn0, automatic=True, keys=keys[:2], path=first_path, reasoning="ab" * 16,
-                                     added_ids=big, completion_ids=[7, 8], finish_reason="tool_calls",
-                                     reply_id="resp_a"), now_ms=now())  # fmt: skip
+        await commit(writer, sid, turn0, automatic=True, keys=keys[:2], path=first_path, reasoning="ab" * 16,
+                                     prompt_added_ids=big, completion_ids=[7, 8], finish_reason="tool_calls",
+                                     reply_id="resp_a")  # fmt: skip
         for _ in range(2):  # a retry: two siblings on the same path
             _, turn = await claim(writer, sid, parent_turn_id=turn0, create=False)
-            await writer.commit(new_turn(sid, turn, automatic=True, keys=keys[2:], path=second_path, parent=turn0,
-                                         chain=(turn0,), end=4, added_ids=[9], completion_ids=[10],
-                                         template_kwargs={"x": 1}), now_ms=now())  # fmt: skip
+            await commit(writer, sid, turn, automatic=True, keys=keys[2:], path=second_path, parent=turn0,
+                                         chain=(turn0,), end=4, prompt_added_ids=[9], completion_ids=[10],
+                                         chat_template_kwargs={"x": 1})  # fmt: skip
         state, found = await reader.lookup(None, "ns", [first_path, second_path, extend(ROOT, keys[:3])])
         node = await reader.node(sid, 2)
         shared = RedisSessions(reader)
@@ -147,12 +149,15 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
     sid, state, found, node, first, again, calls, reply, meta = run(scenario())
     assert state is None
     assert found == [[(sid, 0)], [(sid, 1), (sid, 2)], []]
-    assert list(node.added_ids) == [9] and node.parent_turn_id == 0 and node.chain == (0,)
-    assert node.template_kwargs == {"x": 1} and node.message_end == 4 and node.segment_keys == tuple(keys[2:])
+    assert list(node.turn.prompt_added_ids) == [9] and node.parent_turn_id == 0 and node.chain == (0,)
+    assert node.turn.chat_template_kwargs == {"x": 1} and node.turn.message_end == 4
+    assert node.turn.segment_keys == tuple(keys[2:])
     mirror = first[(sid, 2)]
-    assert mirror.parent is not None and list(mirror.parent.added_ids) == big, "ancestors come with the turn"
+    assert mirror.parent is not None and list(mirror.parent.turn.prompt_added_ids) == big, (
+        "ancestors come with the turn"
+    )
     assert mirror.full_ids() == [*big, 7, 8, 9, 10] and mirror.path == second_path
-    assert mirror.parent.segment_reasoning[-1] == "ab" * 16 and mirror.parent.finish_reason == "tool_calls"
+    assert mirror.parent.turn.reasoning == "ab" * 16 and mirror.parent.turn.finish_reason == "tool_calls"
     assert again[(sid, 2)] is mirror and calls == 2, "a turn and its ancestors: two round trips, then none"
     assert reply == (sid, 0)
     assert meta["turns"] == "3" and meta["tokens"] == str(4 + 2 + 2 + 2) and meta["automatic"] == "1"
@@ -166,11 +171,11 @@ def test_a_session_closes_once_never_while_busy_and_never_reuses_a_turn_id(redis
     async def scenario():
         a, b = tree(redis_url, prefix), tree(redis_url, prefix)
         sid, t0 = await claim(a, "named")
-        await a.commit(new_turn(sid, t0, automatic=False, keys=keys, path=path, reply_id="resp_n"), now_ms=now())
+        await commit(a, sid, t0, automatic=False, keys=keys, path=path, reply_id="resp_n")
         _, busy = await claim(a, "named", parent_turn_id=t0)  # in flight: not closable
         refused = await b.close("named", now_ms=now(), idle_before_ms=None)
-        await a.commit(new_turn(sid, busy, automatic=False, keys=keys, path=extend(path, keys), parent=t0,
-                                chain=(t0,), end=4), now_ms=now())  # fmt: skip
+        await commit(a, sid, busy, automatic=False, keys=keys, path=extend(path, keys), parent=t0,
+                                chain=(t0,), end=4)  # fmt: skip
         closes = await asyncio.gather(*(p.close("named", now_ms=now(), idle_before_ms=None) for p in (a, b, a, b)))
         after_close = await b.lookup("named", "", [path]), await b.by_reply("resp_n"), await b.node(sid, t0)
         with pytest.raises(SessionGone):
@@ -212,19 +217,14 @@ def test_a_closed_named_session_is_restored_once(redis_url) -> None:
     assert sorted(done) == [False, True], "restored by one proxy"
     assert state == "0" and found == [[("r", 0)], [("r", 3)]]
     assert turn == 5, "turn ids continue after the recorded ones (and torn lines)"
-    assert list(node.added_ids) == [4] and node.chain == (0,) and node.parent_turn_id == 0
+    assert list(node.turn.prompt_added_ids) == [4] and node.chain == (0,) and node.parent_turn_id == 0
     assert meta["turns"] == "2" and meta["tokens"] == "6"
 
 
 def make_stored(sid, turn, parent, keys, chain, added, completion):
-    from array import array
-
-    from tito_addon.sessions.redis_tree import StoredNode
-
-    return StoredNode(session_id=sid, turn_id=turn, parent_turn_id=parent, message_end=2 * (len(chain) + 1),
-                      segment_keys=tuple(keys), reasoning=None, added_ids=array("I", added),
-                      completion_ids=array("I", completion), finish_reason="stop", tools_sha256=None,
-                      template_kwargs=None, reply_id=None, chain=chain)  # fmt: skip
+    return StoredTurn(
+        sid, turn, parent, chain, Turn(2 * (len(chain) + 1), tuple(keys), None, added, completion, "stop")
+    )
 
 
 def test_a_store_that_is_gone_is_a_clear_error() -> None:
@@ -263,8 +263,7 @@ def test_closing_an_automatic_session_removes_only_its_own_index_entries(redis_u
         sids = []
         for group in (b"g" * 16, b"h" * 16):
             sid, turn = await claim(t, None, prompt=group, fresh=automatic_session_id())
-            await t.commit(new_turn(sid, turn, automatic=True, keys=keys, path=path, reply_id=f"resp_{sid}"),
-                           now_ms=now())  # fmt: skip
+            await commit(t, sid, turn, automatic=True, keys=keys, path=path, reply_id=f"resp_{sid}")  # fmt: skip
             sids.append(sid)
         before = await t.lookup(None, "ns", [path])
         closed = await t.close(sids[0], now_ms=now(), idle_before_ms=None)
@@ -276,7 +275,7 @@ def test_closing_an_automatic_session_removes_only_its_own_index_entries(redis_u
     assert before == (None, [[(sids[0], 0), (sids[1], 0)]]) and closed == 1
     assert after == (None, [[(sids[1], 0)]]), "only the closed session's entry went"
     assert regroup not in sids, "its GRPO group is free: the same first request starts a new session"
-    assert reply is None and kept is not None and list(kept.added_ids) == [1]
+    assert reply is None and kept is not None and list(kept.turn.prompt_added_ids) == [1]
 
 
 def test_a_driver_close_refuses_the_name_unless_new_trees_are_allowed(redis_url) -> None:
@@ -293,7 +292,7 @@ def test_a_driver_close_refuses_the_name_unless_new_trees_are_allowed(redis_url)
         in_flight = await b.in_flight("episode", now_ms=now())
         for turn in (t0, busy):
             path = extend(ROOT, keys + [turn.to_bytes(16, "little")])
-            await a.commit(new_turn(sid, turn, automatic=False, keys=[*keys[:1], path[:16]], path=path), now_ms=now())
+            await commit(a, sid, turn, automatic=False, keys=[*keys[:1], path[:16]], path=path)
         closed = await b.close_by_driver("episode", now_ms=now())
         again = await a.close_by_driver("episode", now_ms=now())
         unknown = await a.close_by_driver("never-seen", now_ms=now())

@@ -6,6 +6,7 @@ from tito_addon.canonical_chat import ChatMessage
 from tito_addon.sessions.message_keys import message_key, reasoning_matches
 from tito_addon.sessions.redis_tree import reasoning_digest
 from tito_addon.sessions.session_tree import MemoryTree
+from tito_addon.sessions.turn_entity import Turn
 
 
 def M(**kw) -> ChatMessage:
@@ -59,16 +60,9 @@ def test_reasoning_matches_without_the_whitespace_around_it() -> None:
 
 def commit(store, session, parent, messages_before, appended, assistant, ids=(1, 2), completion=(3,)):
     segment = appended + [assistant]
-    return store.commit(
-        session,
-        parent,
-        len(messages_before) + len(segment),
-        tuple(keys(segment)),
-        tuple(reasonings(segment)),
-        list(ids),
-        list(completion),
-        "stop",
-    )
+    turn = Turn(len(messages_before) + len(segment), tuple(keys(segment)), reasonings(segment)[-1], ids, completion,
+                "stop")  # fmt: skip
+    return store.commit(session, parent, turn)
 
 
 SYSTEM = M(role="system", content="sys")

@@ -16,7 +16,7 @@ from typing import Any
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.records.stored_turns import recorded_nodes
+from tito_addon.records.stored_turns import recorded_turns
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_tree import ChildIndex, MemoryTree
 
@@ -55,7 +55,7 @@ class ReplayIndex:
         index = cls()
         for session_file in iter_session_files(record_dir):
             session = index.store.new_session(None)
-            nodes = index.store.put_back(session, recorded_nodes(session_file.turns))
+            nodes = index.store.put_back(session, recorded_turns(session_file.turns))
             by_id = {record.turn_id: record for record in session_file.turns}
             for turn_id, node in nodes.items():
                 index.records[id(node)] = by_id[turn_id]

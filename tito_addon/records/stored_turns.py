@@ -1,36 +1,29 @@
-"""Recorded turns as the nodes of their session's tree: how a session comes back from its records, into this
-process's tree or into a shared store (resume after a restart), or into replay's index."""
+"""A turn as its record line says it: the one place a record line becomes the turn its session's tree holds, for a turn
+just written (its commit) and for one read back (resume after a restart, into this process's tree or a shared store;
+replay's index)."""
 
 from __future__ import annotations
 
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import recorded_segment
-from tito_addon.sessions.session_space import RecordedNode
+from tito_addon.sessions.message_keys import MessageKey
+from tito_addon.sessions.turn_entity import LINE_FIELDS, RecordedTurn, Turn
 
 
-def recorded_nodes(turns: list[TurnRecord]) -> list[RecordedNode]:
-    """Nodes of recorded turns (parents first, as `read_session` orders them), keyed exactly as live commits are."""
+def turn_of(line: TurnRecord, message_end: int, segment_keys: tuple[MessageKey, ...], reasoning: str | None) -> Turn:
+    """The turn a record line describes, its segment's place and keys and its answer's reasoning given (a live commit
+    has them at hand; a recorded turn's come from its messages, `recorded_turns`)."""
+    return Turn(message_end, segment_keys, reasoning, **{name: getattr(line, name) for name in LINE_FIELDS})
+
+
+def recorded_turns(lines: list[TurnRecord]) -> list[RecordedTurn]:
+    """The turns of record lines (parents first, as `read_session` orders them), keyed exactly as live commits are."""
     ends: dict[int, int] = {}
     out = []
-    for turn in turns:
-        keys, assistant = recorded_segment(turn)
-        parent = turn.parent_turn_id
-        ends[turn.turn_id] = (ends[parent] if parent is not None else 0) + len(keys)
-        out.append(
-            RecordedNode(
-                message_end=ends[turn.turn_id],
-                segment_keys=tuple(keys),
-                reasoning=assistant.reasoning_text(),
-                added_ids=turn.prompt_added_ids,
-                completion_ids=turn.completion_ids,
-                finish_reason=turn.finish_reason,
-                tools_sha256=turn.tools_sha256,
-                template_kwargs=turn.chat_template_kwargs or None,
-                reply_id=turn.reply_id,
-                episode=turn.episode_id,
-                call=turn.call,
-                turn_id=turn.turn_id,
-                parent_turn_id=parent,
-            )
-        )
+    for line in lines:
+        keys, assistant = recorded_segment(line)
+        parent = line.parent_turn_id
+        ends[line.turn_id] = (ends[parent] if parent is not None else 0) + len(keys)
+        turn = turn_of(line, ends[line.turn_id], tuple(keys), assistant.reasoning_text())
+        out.append(RecordedTurn(line.turn_id, parent, turn))
     return out

@@ -18,12 +18,12 @@ from tito_addon.sessions.session_space import (
     Located,
     Lookup,
     Placement,
-    RecordedNode,
     RecordLine,
     SessionState,
     SessionStatus,
 )
 from tito_addon.sessions.session_tree import MemoryTree, Session, TurnNode
+from tito_addon.sessions.turn_entity import RecordedTurn
 from tito_addon.tito_errors import SessionClosed
 
 MAX_CLOSED_NAMES = 65536
@@ -79,8 +79,8 @@ class MemorySessions:
             session = self.tree.new_session(named, placement.namespace, placement.new_session_id)
             if named is not None and named in self.closed_names:
                 session.next_turn_id = self.closed_names[named]  # a new tree under a closed name: ids continue
-        data = record(session.session_id, session.next_turn_id)
-        node = self.tree.insert(session, placement.parent, data)
+        turn = record(session.session_id, session.next_turn_id)
+        node = self.tree.commit(session, placement.parent, turn)
         claim.committed = True
         return node
 
@@ -93,11 +93,11 @@ class MemorySessions:
     async def holds(self, session_id: str, turn_id: int) -> bool:
         return True  # a commit here never fails halfway
 
-    async def restore(self, session_id: str, nodes: Sequence[RecordedNode], next_turn_id: int) -> bool:
+    async def restore(self, session_id: str, recorded: Sequence[RecordedTurn], next_turn_id: int) -> bool:
         if session_id in self.tree.sessions:
             return False
         session = self.tree.new_session(session_id)
-        self.tree.put_back(session, nodes)
+        self.tree.put_back(session, recorded)
         # Live even with no turn put back (a new tree after its driver's close), so its ids continue: never reuse the
         # id of a turn left out, nor of a torn line.
         live = self.tree.sessions.setdefault(session_id, session)

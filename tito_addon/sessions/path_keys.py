@@ -44,7 +44,7 @@ def node_digest(node: TurnNode) -> PathDigest:
         current = current.parent
     digest = ROOT
     for step in reversed(chain):
-        digest = extend(digest, step.segment_keys)
+        digest = extend(digest, step.turn.segment_keys)
     return digest
 
 
@@ -52,7 +52,7 @@ def chain_compatible(node: TurnNode, reasonings: Sequence[str | None]) -> bool:
     """Whether every turn on the node's chain accepts the request's reasoning at its messages."""
     current: TurnNode | None = node
     while current is not None:
-        if not current.reasoning_compatible(reasonings, current.message_end - len(current.segment_keys)):
+        if not current.reasoning_compatible(reasonings, current.message_end - len(current.turn.segment_keys)):
             return False
         current = current.parent
     return True

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,9 +21,8 @@ from dataclasses import dataclass
 from tito_addon.sessions.link_stores import RedisLinks
 from tito_addon.sessions.path_keys import ROOT, assistant_ends, deepest_of, extend, running
 from tito_addon.sessions.redis_tree import (
-    NewTurn,
     RedisTree,
-    StoredNode,
+    StoredTurn,
     StoreUnavailable,
     reasoning_digest,
     redis_client,
@@ -35,12 +33,12 @@ from tito_addon.sessions.session_space import (
     Located,
     Lookup,
     Placement,
-    RecordedNode,
     RecordLine,
     SessionState,
     SessionStatus,
 )
 from tito_addon.sessions.session_tree import Attachment, Session, TurnNode
+from tito_addon.sessions.turn_entity import RecordedTurn
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,8 @@ STATES = {
 
 @dataclass(eq=False)
 class MirroredNode(TurnNode):
-    """A mirrored turn, with what a child needs to be indexed: its path digest and its ancestors' ids."""
+    """A mirrored turn (its reasoning a digest, as Redis holds it), with what a child needs to be indexed: its path
+    digest and its ancestors' ids."""
 
     path: bytes = ROOT
     chain: tuple[int, ...] = ()
@@ -126,10 +125,10 @@ class RedisSessions:
         if key in self._nodes:
             return
         self._nodes[key] = node
-        self._cached_ids += len(node.added_ids) + len(node.completion_ids)
+        self._cached_ids += node.turn.tokens
         while self._cached_ids > self.cache_ids and len(self._nodes) > 1:
             _, old = self._nodes.popitem(last=False)
-            self._cached_ids -= len(old.added_ids) + len(old.completion_ids)
+            self._cached_ids -= old.turn.tokens
 
     def cached(self, session_id: str, turn_id: int) -> MirroredNode | None:
         node = self._nodes.get((session_id, turn_id))
@@ -159,14 +158,13 @@ class RedisSessions:
         }  # fmt: skip
         if ancestors:
             stored.update(await self.tree.nodes(ancestors))
-        for (sid, _), node in sorted(stored.items(), key=lambda item: len(item[1].chain)):
+        for (sid, _), found in sorted(stored.items(), key=lambda item: len(item[1].chain)):
             parent = None
-            if node.parent_turn_id is not None:
-                parent = self.cached(sid, node.parent_turn_id)
+            if found.parent_turn_id is not None:
+                parent = self.cached(sid, found.parent_turn_id)
                 if parent is None:
                     continue
-            mirror = self._mirror(node, parent, self.session(sid, automatic, namespace))
-            self._cache(mirror)
+            self._cache(self._mirror(found, parent, self.session(sid, automatic, namespace)))
         for pair in missing:
             node = self.cached(*pair)
             if node is not None:
@@ -174,24 +172,9 @@ class RedisSessions:
         return out
 
     @staticmethod
-    def _mirror(node: StoredNode, parent: MirroredNode | None, session: Session) -> MirroredNode:
-        return MirroredNode(
-            session=session,
-            turn_id=node.turn_id,
-            parent=parent,
-            message_end=node.message_end,
-            segment_keys=node.segment_keys,
-            segment_reasoning=(None,) * (len(node.segment_keys) - 1) + (node.reasoning,),
-            added_ids=node.added_ids,
-            completion_ids=node.completion_ids,
-            finish_reason=node.finish_reason,
-            tools_sha256=node.tools_sha256,
-            template_kwargs=node.template_kwargs,
-            episode=node.episode,
-            call=node.call,
-            path=extend(parent.path if parent is not None else ROOT, node.segment_keys),
-            chain=node.chain,
-        )
+    def _mirror(stored: StoredTurn, parent: MirroredNode | None, session: Session) -> MirroredNode:
+        path = extend(parent.path if parent is not None else ROOT, stored.turn.segment_keys)
+        return MirroredNode(session, stored.turn_id, parent, stored.turn, path=path, chain=stored.chain)
 
     async def locate(self, lookup: Lookup) -> Located:
         """Where a request attaches, decided exactly as `MemoryTree.locate` decides it (reasonings compared as
@@ -250,53 +233,19 @@ class RedisSessions:
         fetch."""
         session, turn_id = claim.session, claim.turn_id
         assert session is not None and turn_id is not None
-        data = record(session.session_id, turn_id)
+        turn = record(session.session_id, turn_id)
         parent = claim.placement.parent
         assert parent is None or isinstance(parent, MirroredNode)
-        path = extend(parent.path if parent is not None else ROOT, data.segment_keys)
+        path = extend(parent.path if parent is not None else ROOT, turn.segment_keys)
         chain = (*parent.chain, parent.turn_id) if parent is not None else ()
-        reasoning = reasoning_digest(data.reasoning) or None
+        turn = turn.with_values(reasoning=reasoning_digest(turn.reasoning) or None)  # what Redis compares
+        stored = StoredTurn(session.session_id, turn_id, parent.turn_id if parent is not None else None, chain, turn)
+        now_ms = int(time.time() * 1000)
         await self.tree.commit(
-            NewTurn(
-                session_id=session.session_id,
-                turn_id=turn_id,
-                automatic=session.automatic,
-                namespace=session.namespace,
-                parent_turn_id=parent.turn_id if parent is not None else None,
-                chain=chain,
-                message_end=data.message_end,
-                segment_keys=data.segment_keys,
-                reasoning=reasoning,
-                added_ids=data.added_ids,
-                completion_ids=data.completion_ids,
-                finish_reason=data.finish_reason,
-                path=path,
-                tools_sha256=data.tools_sha256,
-                template_kwargs=data.template_kwargs,
-                reply_id=data.reply_id,
-                episode=data.episode,
-                call=data.call,
-            ),
-            now_ms=int(time.time() * 1000),
+            stored, automatic=session.automatic, namespace=session.namespace, path=path, now_ms=now_ms
         )
         claim.committed = True
-        node = MirroredNode(
-            session=session,
-            turn_id=turn_id,
-            parent=parent,
-            message_end=data.message_end,
-            segment_keys=data.segment_keys,
-            segment_reasoning=(None,) * (len(data.segment_keys) - 1) + (reasoning,),
-            added_ids=array("I", data.added_ids),
-            completion_ids=array("I", data.completion_ids),
-            finish_reason=data.finish_reason,
-            tools_sha256=data.tools_sha256,
-            template_kwargs=data.template_kwargs or None,
-            episode=data.episode,
-            call=data.call,
-            path=path,
-            chain=chain,
-        )
+        node = MirroredNode(session, turn_id, parent, turn, path=path, chain=chain)
         self._cache(node)
         return node
 
@@ -317,36 +266,18 @@ class RedisSessions:
     async def holds(self, session_id: str, turn_id: int) -> bool:
         return await self.tree.node(session_id, turn_id) is not None
 
-    async def restore(self, session_id: str, nodes: Sequence[RecordedNode], next_turn_id: int) -> bool:
+    async def restore(self, session_id: str, recorded: Sequence[RecordedTurn], next_turn_id: int) -> bool:
         """Put a named session's recorded turns (parents first) back, unless another proxy did it first."""
         paths: dict[int, bytes] = {}
         chains: dict[int, tuple[int, ...]] = {}
         ordered, stored = [], []
-        for node in nodes:
-            parent = node.parent_turn_id
-            base = paths[parent] if parent is not None else ROOT
-            paths[node.turn_id] = extend(base, node.segment_keys)
-            chains[node.turn_id] = (*chains[parent], parent) if parent is not None else ()
-            ordered.append(paths[node.turn_id])
-            stored.append(
-                StoredNode(
-                    session_id=session_id,
-                    turn_id=node.turn_id,
-                    parent_turn_id=parent,
-                    message_end=node.message_end,
-                    segment_keys=node.segment_keys,
-                    reasoning=reasoning_digest(node.reasoning) or None,
-                    added_ids=array("I", node.added_ids),
-                    completion_ids=array("I", node.completion_ids),
-                    finish_reason=node.finish_reason,
-                    tools_sha256=node.tools_sha256,
-                    template_kwargs=node.template_kwargs,
-                    reply_id=node.reply_id,
-                    chain=chains[node.turn_id],
-                    episode=node.episode,
-                    call=node.call,
-                )
-            )
+        for each in recorded:
+            turn_id, parent, turn = each.turn_id, each.parent_turn_id, each.turn
+            paths[turn_id] = extend(paths[parent] if parent is not None else ROOT, turn.segment_keys)
+            chains[turn_id] = (*chains[parent], parent) if parent is not None else ()
+            ordered.append(paths[turn_id])
+            digested = turn.with_values(reasoning=reasoning_digest(turn.reasoning) or None)
+            stored.append(StoredTurn(session_id, turn_id, parent, chains[turn_id], digested))
         return await self.tree.restore(
             session_id, stored, ordered, now_ms=int(time.time() * 1000), next_at_least=next_turn_id
         )

@@ -10,9 +10,9 @@ Layout (prefix `P`, `tito` by default; a session's own keys share the `{sid}` ha
     P:s:{sid}            hash: next (turn id), turns, tokens, automatic, namespace, nsh, prompt, created, closed
                          (a closed session keeps this hash, without its turns, for `TOMBSTONE_S`: its turn ids
                          continue if it is resumed)
-    P:n:{sid}:{turn}     string: the turn packed (`pack_node`): parent, end, message keys (16 B each), reasoning
+    P:n:{sid}:{turn}     string: the turn packed (`pack_turn`): parent, end, message keys (16 B each), reasoning
                          digest, path digest, added and completion ids and the ancestors' turn ids (4 B each,
-                         little-endian, root first), then finish reason, tools digest, kwargs and reply id as JSON
+                         little-endian, root first), then the turn's other fields (`Turn`) as JSON
     P:x:{sid}            string: per committed turn, its path digest and reply id (what a close must undo)
     P:p:{sid}            hash: path digest -> turn ids (4 B each) of the named session's turns ending there
     P:ap:{nsh}           hash: path digest -> (32 B session id + 4 B turn id)* of automatic sessions' turns
@@ -27,6 +27,7 @@ once the script has read it), which a Redis Cluster refuses; see the README for 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -37,6 +38,7 @@ from typing import Any
 
 from tito_addon.sessions.message_keys import KEY_BYTES, reasoning_identity
 from tito_addon.sessions.redis_scripts import CLAIM, CLOSE, COMMIT, RESTORE
+from tito_addon.sessions.turn_entity import Turn
 from tito_addon.tito_errors import SessionClosed, SessionGone, StoreUnavailable
 
 TURN = 4  # bytes of a packed turn id
@@ -50,48 +52,15 @@ MAX_CONNECTIONS = 64
 
 
 @dataclass(frozen=True)
-class StoredNode:
-    """A committed turn as Redis holds it (immutable)."""
+class StoredTurn:
+    """A committed turn as Redis holds it (immutable): its place (parent and ancestors' ids, root first) and the turn,
+    whose reasoning is a digest here (`reasoning_digest`)."""
 
     session_id: str
     turn_id: int
-    parent_turn_id: int | None
-    message_end: int
-    segment_keys: tuple[bytes, ...]
-    reasoning: str | None  # the assistant message's reasoning digest (hex), None when it had none
-    added_ids: array
-    completion_ids: array
-    finish_reason: str | None
-    tools_sha256: str | None
-    template_kwargs: dict[str, Any] | None
-    reply_id: str | None
-    chain: tuple[int, ...] = ()  # ancestors' turn ids, root first
-    episode: str | None = None
-    call: str = "main"
-
-
-@dataclass(frozen=True)
-class NewTurn:
-    """A claimed turn, ready to commit (its record line already on disk)."""
-
-    session_id: str
-    turn_id: int
-    automatic: bool
-    namespace: str
     parent_turn_id: int | None
     chain: tuple[int, ...]
-    message_end: int
-    segment_keys: tuple[bytes, ...]
-    reasoning: str | None  # digest
-    added_ids: Sequence[int]
-    completion_ids: Sequence[int]
-    finish_reason: str | None
-    path: bytes
-    tools_sha256: str | None = None
-    template_kwargs: dict[str, Any] | None = None
-    reply_id: str | None = None
-    episode: str | None = None
-    call: str = "main"
+    turn: Turn
 
 
 def pack_ids(ids: Any) -> bytes:
@@ -208,21 +177,21 @@ class RedisTree:
             raise SessionGone(_text(sid))
         return _text(sid), int(turn)
 
-    async def commit(self, turn: NewTurn, *, now_ms: int) -> None:
-        """Add a claimed turn and its index entry, atomically (after its record line is on disk)."""
-        sid = turn.session_id
-        if turn.automatic and len(sid) != AUTO_ID:
+    async def commit(self, stored: StoredTurn, *, automatic: bool, namespace: str, path: bytes, now_ms: int) -> None:
+        """Add a claimed turn and its index entry, atomically (after its record line is on disk): `path` is its path
+        digest, indexed in its named session or, `automatic`, in its namespace's automatic sessions."""
+        sid, turn_id, reply_id = stored.session_id, stored.turn_id, stored.turn.reply_id
+        if automatic and len(sid) != AUTO_ID:
             raise ValueError("automatic session ids are 32 characters")
-        blob = pack_node(turn)
-        index = self._index(None if turn.automatic else sid, turn.namespace)
+        blob = pack_turn(stored, path)
+        index = self._index(None if automatic else sid, namespace)
         keys = [
-            self._meta(sid), self._node(sid, turn.turn_id), index, f"{self.prefix}:r", self._live,
+            self._meta(sid), self._node(sid, turn_id), index, f"{self.prefix}:r", self._live,
             f"{self.prefix}:b:{{{sid}}}", self._ledger(sid),
         ]  # fmt: skip
         args = [
-            blob, turn.path, index_entry(sid, turn.turn_id, turn.automatic), ledger_entry(turn.path, turn.reply_id),
-            len(turn.added_ids) + len(turn.completion_ids), turn.reply_id or "", f"{sid}\n{turn.turn_id}",
-            turn.turn_id, now_ms, sid,
+            blob, path, index_entry(sid, turn_id, automatic), ledger_entry(path, reply_id), stored.turn.tokens,
+            reply_id or "", f"{sid}\n{turn_id}", turn_id, now_ms, sid,
         ]  # fmt: skip
         if not await self.run(self._commit(keys=keys, args=args)):
             raise SessionGone(sid)
@@ -254,7 +223,7 @@ class RedisTree:
                 out.append([(sid.decode(), int.from_bytes(turn, "little")) for sid, turn in pairs])
         return state, out
 
-    async def nodes(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], StoredNode]:
+    async def nodes(self, wanted: Iterable[tuple[str, int]]) -> dict[tuple[str, int], StoredTurn]:
         """Committed turns, in one round trip; a turn that is not (or no longer) stored is left out."""
         wanted = list(dict.fromkeys(wanted))
         if not wanted:
@@ -263,9 +232,9 @@ class RedisTree:
             for sid, turn in wanted:
                 pipe.get(self._node(sid, turn))
             found = await self.run(pipe.execute())
-        return {pair: parse_node(*pair, blob) for pair, blob in zip(wanted, found, strict=True) if blob}
+        return {pair: parse_turn(*pair, blob) for pair, blob in zip(wanted, found, strict=True) if blob}
 
-    async def node(self, session_id: str, turn_id: int) -> StoredNode | None:
+    async def node(self, session_id: str, turn_id: int) -> StoredTurn | None:
         return (await self.nodes([(session_id, turn_id)])).get((session_id, turn_id))
 
     async def by_reply(self, reply_id: str) -> tuple[str, int] | None:
@@ -330,16 +299,16 @@ class RedisTree:
         ]
 
     async def restore(
-        self, session_id: str, nodes: Sequence[StoredNode], paths: Sequence[bytes], *, now_ms: int, next_at_least: int
+        self, session_id: str, turns: Sequence[StoredTurn], paths: Sequence[bytes], *, now_ms: int, next_at_least: int
     ) -> bool:
         """Put a named session's recorded turns back (all at once) unless it is live; False when it already was."""
-        tokens = sum(len(node.added_ids) + len(node.completion_ids) for node in nodes)
+        tokens = sum(stored.turn.tokens for stored in turns)
         args: list[Any] = [session_id, now_ms, next_at_least, tokens]
-        for node, path in zip(nodes, paths, strict=True):
-            blob = pack_node(node, path)
+        for stored, path in zip(turns, paths, strict=True):
+            blob, turn_id, reply_id = pack_turn(stored, path), stored.turn_id, stored.turn.reply_id
             args += [
-                node.turn_id, self._node(session_id, node.turn_id), blob, path,
-                index_entry(session_id, node.turn_id, False), ledger_entry(path, node.reply_id), node.reply_id or "",
+                turn_id, self._node(session_id, turn_id), blob, path,
+                index_entry(session_id, turn_id, False), ledger_entry(path, reply_id), reply_id or "",
             ]  # fmt: skip
         keys = [
             self._meta(session_id), self._index(session_id, ""), f"{self.prefix}:r", self._live,
@@ -348,36 +317,43 @@ class RedisTree:
         return bool(await self.run(self._restore(keys=keys, args=args)))
 
 
-# A node's packed form: a fixed header, then its message keys, reasoning digest (if any), path digest, added,
-# completion and ancestor ids (4 bytes each), then a small JSON of what is rarely set. One string per turn costs
-# Redis a fraction of a hash of a dozen fields (which loses its compact encoding once a value passes 64 bytes).
+# A turn's packed form: a fixed header, then its message keys, reasoning digest (if any), path digest, added,
+# completion and ancestor ids (4 bytes each), then a small JSON of the turn's other fields, those not at their default.
+# One string per turn costs Redis a fraction of a hash of a dozen fields (which loses its compact encoding once a value
+# passes 64 bytes).
 HEADER = struct.Struct("<iIHIIIB")
+PACKED = ("message_end", "segment_keys", "reasoning", "prompt_added_ids", "completion_ids")
+#: Every other field of `Turn`, with its default (left out of the JSON): a new field is packed without a line here.
+TAIL = {
+    f.name: None if f.default is dataclasses.MISSING else f.default
+    for f in dataclasses.fields(Turn)
+    if f.name not in PACKED
+}
 
 
-def pack_node(node: NewTurn | StoredNode, path: bytes | None = None) -> bytes:
-    if any(len(key) != KEY_BYTES for key in node.segment_keys):
+def pack_turn(stored: StoredTurn, path: bytes) -> bytes:
+    turn = stored.turn
+    if any(len(key) != KEY_BYTES for key in turn.segment_keys):
         raise ValueError("message keys are 16 bytes")
-    path = node.path if isinstance(node, NewTurn) else path
-    if path is None or len(path) != KEY_BYTES:
+    if len(path) != KEY_BYTES:
         raise ValueError("a path digest is 16 bytes")
-    reasoning = bytes.fromhex(node.reasoning) if node.reasoning else b""
+    reasoning = bytes.fromhex(turn.reasoning) if turn.reasoning else b""
     if len(reasoning) not in (0, KEY_BYTES):
         raise ValueError("a reasoning digest is 16 bytes")
-    added, completion, chain = pack_ids(node.added_ids), pack_ids(node.completion_ids), pack_ids(node.chain)
-    rare = {"finish": node.finish_reason, "tools": node.tools_sha256, "kwargs": node.template_kwargs or None,
-            "reply": node.reply_id, "episode": node.episode,
-            "call": None if node.call == "main" else node.call}  # fmt: skip
-    tail = json.dumps({k: v for k, v in rare.items() if v is not None}, sort_keys=True).encode()
+    added, completion = pack_ids(turn.prompt_added_ids), pack_ids(turn.completion_ids)
+    chain = pack_ids(stored.chain)
+    rare = {name: value for name, default in TAIL.items() if (value := getattr(turn, name)) != default}
+    tail = json.dumps(rare, sort_keys=True).encode()
     header = HEADER.pack(
-        -1 if node.parent_turn_id is None else node.parent_turn_id,
-        node.message_end,
-        len(node.segment_keys),
+        -1 if stored.parent_turn_id is None else stored.parent_turn_id,
+        turn.message_end,
+        len(turn.segment_keys),
         len(added) // TURN,
         len(completion) // TURN,
         len(chain) // TURN,
         bool(reasoning),
     )
-    return b"".join((header, *node.segment_keys, reasoning, path, added, completion, chain, tail))
+    return b"".join((header, *turn.segment_keys, reasoning, path, added, completion, chain, tail))
 
 
 def index_entry(session_id: str, turn_id: int, automatic: bool) -> bytes:
@@ -394,7 +370,7 @@ def ledger_entry(path: bytes, reply_id: str | None) -> bytes:
     return path + len(reply).to_bytes(2, "little") + reply
 
 
-def parse_node(session_id: str, turn_id: int, blob: bytes) -> StoredNode:
+def parse_turn(session_id: str, turn_id: int, blob: bytes) -> StoredTurn:
     parent, end, n_keys, n_added, n_completion, n_chain, has_reasoning = HEADER.unpack_from(blob)
     at = HEADER.size
     keys = tuple(blob[at + i * KEY_BYTES : at + (i + 1) * KEY_BYTES] for i in range(n_keys))
@@ -406,21 +382,5 @@ def parse_node(session_id: str, turn_id: int, blob: bytes) -> StoredNode:
     for count in (n_added, n_completion, n_chain):
         spans.append(unpack_ids(blob[at : at + count * TURN]))
         at += count * TURN
-    rare = json.loads(blob[at:])
-    return StoredNode(
-        session_id=session_id,
-        turn_id=turn_id,
-        parent_turn_id=None if parent < 0 else parent,
-        message_end=end,
-        segment_keys=keys,
-        reasoning=reasoning,
-        added_ids=spans[0],
-        completion_ids=spans[1],
-        finish_reason=rare.get("finish"),
-        tools_sha256=rare.get("tools"),
-        template_kwargs=rare.get("kwargs"),
-        reply_id=rare.get("reply"),
-        chain=tuple(spans[2]),
-        episode=rare.get("episode"),
-        call=rare.get("call", "main"),
-    )
+    turn = Turn(end, keys, reasoning, spans[0], spans[1], **{**TAIL, **json.loads(blob[at:])})
+    return StoredTurn(session_id, turn_id, None if parent < 0 else parent, tuple(spans[2]), turn)

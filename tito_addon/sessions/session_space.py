@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.sessions.message_keys import MessageKey
 from tito_addon.sessions.session_tree import Attachment, Session, TurnNode
+from tito_addon.sessions.turn_entity import RecordedTurn, Turn
 
 
 class SessionState(enum.Enum):
@@ -91,40 +92,9 @@ class Claim:
         return self.placement.session_id or self.placement.new_session_id
 
 
-@dataclass(frozen=True)
-class NodeData:
-    """What a turn adds to its session's tree: the keys of the messages it appended and of its answer, the reasoning
-    of that answer, its new prompt ids and completion ids."""
-
-    message_end: int
-    segment_keys: tuple[MessageKey, ...]
-    reasoning: str | None
-    added_ids: Sequence[int]
-    completion_ids: Sequence[int]
-    finish_reason: str | None
-    tools_sha256: str | None = None
-    template_kwargs: dict[str, Any] | None = None
-    reply_id: str | None = None
-    # The turn's place in its episode (see `turns/episode_places`): what its children inherit.
-    episode: str | None = None
-    call: str = "main"
-
-    @property
-    def segment_reasoning(self) -> tuple[str | None, ...]:
-        return (None,) * (len(self.segment_keys) - 1) + (self.reasoning,)
-
-
-@dataclass(frozen=True)
-class RecordedNode(NodeData):
-    """A recorded turn put back into its session (parents first): its own and its parent's turn ids."""
-
-    turn_id: int = 0
-    parent_turn_id: int | None = None
-
-
-# Builds the turn's record line for the session and turn id the commit settled on, writes it, and returns what the
-# turn adds to the tree: the line is on disk before any agent can extend the turn.
-RecordLine = Callable[[str, int], NodeData]
+# Builds the turn's record line for the session and turn id the commit settled on, writes it, and returns the turn as
+# its line says it: the line is on disk before any agent can extend the turn.
+RecordLine = Callable[[str, int], Turn]
 
 
 @dataclass(frozen=True)
@@ -193,7 +163,7 @@ class SessionSpace(Protocol):
         """Whether a committed turn is stored (settles a commit whose answer was lost)."""
         ...
 
-    async def restore(self, session_id: str, nodes: Sequence[RecordedNode], next_turn_id: int) -> bool:
+    async def restore(self, session_id: str, recorded: Sequence[RecordedTurn], next_turn_id: int) -> bool:
         """Put a named session back from its records unless it is live; its turn ids continue at `next_turn_id`
         at least. False when it was live already (another proxy put it back first)."""
         ...

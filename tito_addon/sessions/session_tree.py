@@ -1,7 +1,8 @@
 """Sessions as trees of turns, and the index that finds the turn a request extends.
 
-A turn node holds only what it added: the prompt ids after its parent's completion and its own completion
-ids (as compact arrays), so memory grows with the tokens of a tree, not with turns x history. A request
+A turn node holds its place in the tree and, by reference, the turn (`Turn`): only what it added, the prompt ids after
+its parent's completion and its own completion ids (as compact arrays), so memory grows with the tokens of a tree, not
+with turns x history. A request
 attaches at the deepest stored turn whose whole message history it repeats; what it appends becomes a new
 child. Nodes are never modified or removed, so concurrent requests that extend the same turn simply become
 siblings: there is no lost update and no version to check.
@@ -9,7 +10,6 @@ siblings: there is no lost update and no version to check.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import uuid
@@ -17,12 +17,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tito_addon.sessions.message_keys import MessageKey, reasoning_matches
-
-if TYPE_CHECKING:
-    from tito_addon.sessions.session_space import NodeData, RecordedNode
+from tito_addon.sessions.turn_entity import RecordedTurn, Turn
 
 SegmentKey = tuple[MessageKey, ...]
 
@@ -36,17 +34,19 @@ class ChildIndex:
         self.by_length: dict[int, dict[SegmentKey, list[TurnNode]]] = {}
 
     def add(self, node: TurnNode) -> None:
-        self.by_length.setdefault(len(node.segment_keys), {}).setdefault(node.segment_keys, []).append(node)
+        keys = node.turn.segment_keys
+        self.by_length.setdefault(len(keys), {}).setdefault(keys, []).append(node)
 
     def remove(self, node: TurnNode) -> None:
-        table = self.by_length.get(len(node.segment_keys), {})
-        nodes = table.get(node.segment_keys, [])
+        keys = node.turn.segment_keys
+        table = self.by_length.get(len(keys), {})
+        nodes = table.get(keys, [])
         if node in nodes:
             nodes.remove(node)
             if not nodes:
-                del table[node.segment_keys]
+                del table[keys]
             if not table:
-                self.by_length.pop(len(node.segment_keys), None)
+                self.by_length.pop(len(keys), None)
 
     def candidates(self, keys: Sequence[MessageKey], start: int) -> Iterable[TurnNode]:
         if len(self.by_length) == 1:  # the usual shape (every child appends as many messages): no generator
@@ -65,34 +65,28 @@ class ChildIndex:
 
 @dataclass(eq=False)
 class TurnNode:
+    """A turn's place in its session's tree: its session, id, parent and children; the turn itself by reference."""
+
     session: Session
     turn_id: int
     parent: TurnNode | None
-    message_end: int
-    segment_keys: SegmentKey
-    segment_reasoning: tuple[str | None, ...]
-    added_ids: array
-    completion_ids: array
-    finish_reason: str | None
-    # Digest of the request's tools, so a record line carries its tools only when they changed.
-    tools_sha256: str | None = None
-    # The chat template kwargs the turn's prompt was built with (one shared dict per distinct value).
-    template_kwargs: dict[str, Any] | None = None
-    # Its episode and kind of call (main, compaction, subagent, side): a continuation inherits them.
-    episode: str | None = None
-    call: str = "main"
+    turn: Turn
     children: ChildIndex = field(default_factory=ChildIndex)
 
     @property
+    def message_end(self) -> int:
+        return self.turn.message_end
+
+    @property
     def prompt_len(self) -> int:
-        return self.end_len - len(self.completion_ids)
+        return self.end_len - len(self.turn.completion_ids)
 
     @property
     def end_len(self) -> int:
         total = 0
         node: TurnNode | None = self
         while node is not None:
-            total += len(node.added_ids) + len(node.completion_ids)
+            total += node.turn.tokens
             node = node.parent
         return total
 
@@ -105,18 +99,16 @@ class TurnNode:
             node = node.parent
         out = array("I")
         for node in reversed(chain):
-            out.extend(node.added_ids)
-            out.extend(node.completion_ids)
+            out.extend(node.turn.prompt_added_ids)
+            out.extend(node.turn.completion_ids)
         return out.tolist()
 
     def reasoning_compatible(self, reasonings: Sequence[str | None], start: int) -> bool:
-        if not self.keeps_reasoning:
+        stored = self.turn.reasoning
+        if not stored:
             return True  # nothing stored to disagree with (see reasoning_matches): no walk over its messages
-        return all(reasoning_matches(stored, reasonings[start + i]) for i, stored in enumerate(self.segment_reasoning))
-
-    @functools.cached_property
-    def keeps_reasoning(self) -> bool:
-        return any(self.segment_reasoning)
+        # Only the answer, the segment's last message, has a reasoning of its own.
+        return reasoning_matches(stored, reasonings[start + len(self.turn.segment_keys) - 1])
 
 
 @dataclass(eq=False)
@@ -287,50 +279,24 @@ class MemoryTree:
             return Session(session_id=automatic_id or uuid.uuid4().hex, automatic=True, namespace=namespace)
         return Session(session_id=session_id, automatic=False, namespace=namespace)
 
-    def commit(
-        self,
-        session: Session,
-        parent: TurnNode | None,
-        message_end: int,
-        segment_keys: SegmentKey,
-        segment_reasoning: tuple[str | None, ...],
-        added_ids: Sequence[int],
-        completion_ids: Sequence[int],
-        finish_reason: str | None,
-        tools_sha256: str | None = None,
-        turn_id: int | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-        reply_id: str | None = None,
-        episode: str | None = None,
-        call: str = "main",
-    ) -> TurnNode:
-        """Add a turn. Synchronous: no other request can interleave between the checks and the insert."""
+    def commit(self, session: Session, parent: TurnNode | None, turn: Turn, turn_id: int | None = None) -> TurnNode:
+        """Add a turn (a live one, or a recorded one put back under its own id). Synchronous: no other request can
+        interleave between the checks and the insert."""
         live = self.sessions.setdefault(session.session_id, session)
         self.sessions.move_to_end(live.session_id)
         if turn_id is None:
             turn_id = live.next_turn_id
-        node = TurnNode(
-            session=live,
-            turn_id=turn_id,
-            parent=parent,
-            message_end=message_end,
-            segment_keys=segment_keys,
-            segment_reasoning=segment_reasoning,
-            added_ids=array("I", added_ids),
-            completion_ids=array("I", completion_ids),
-            finish_reason=finish_reason,
-            tools_sha256=tools_sha256,
-            template_kwargs=self._interned(template_kwargs),
-            episode=episode,
-            call=call,
-        )
+        kwargs = self._interned(turn.chat_template_kwargs)
+        if kwargs is not turn.chat_template_kwargs:
+            turn = turn.with_values(chat_template_kwargs=kwargs)
+        node = TurnNode(session=live, turn_id=turn_id, parent=parent, turn=turn)
         live.next_turn_id = max(live.next_turn_id, turn_id + 1)
         live.turns += 1
-        live.tokens += len(added_ids) + len(completion_ids)
+        live.tokens += turn.tokens
         live.last_used = time.time()
-        if reply_id is not None:
-            self.replies[reply_id] = node
-            live.reply_ids.append(reply_id)
+        if turn.reply_id is not None:
+            self.replies[turn.reply_id] = node
+            live.reply_ids.append(turn.reply_id)
         if parent is not None:
             parent.children.add(node)
         else:
@@ -338,35 +304,16 @@ class MemoryTree:
             if live.automatic:
                 self.auto_roots.setdefault(live.namespace, ChildIndex()).add(node)
                 live.root_nodes.append(node)
-                prompt = segment_keys[:-1]
+                prompt = turn.segment_keys[:-1]
                 if (live.namespace, prompt) not in self.auto_prompts:
                     self.auto_prompts[(live.namespace, prompt)] = live
                     live.prompt_keys.append(prompt)
         return node
 
-    def insert(self, session: Session, parent: TurnNode | None, data: NodeData, turn_id: int | None = None) -> TurnNode:
-        """`commit` of a turn's `NodeData` (a live turn's, or a recorded one's)."""
-        return self.commit(
-            session,
-            parent,
-            data.message_end,
-            data.segment_keys,
-            data.segment_reasoning,
-            data.added_ids,
-            data.completion_ids,
-            data.finish_reason,
-            data.tools_sha256,
-            turn_id=turn_id,
-            template_kwargs=data.template_kwargs,
-            reply_id=data.reply_id,
-            episode=data.episode,
-            call=data.call,
-        )
-
-    def put_back(self, session: Session, nodes: Iterable[RecordedNode]) -> dict[int, TurnNode]:
+    def put_back(self, session: Session, recorded: Iterable[RecordedTurn]) -> dict[int, TurnNode]:
         """Recorded turns (parents first) back into a session's tree: resume after a restart, offline replay."""
         out: dict[int, TurnNode] = {}
-        for node in nodes:
-            parent = out[node.parent_turn_id] if node.parent_turn_id is not None else None
-            out[node.turn_id] = self.insert(session, parent, node, node.turn_id)
+        for turn in recorded:
+            parent = out[turn.parent_turn_id] if turn.parent_turn_id is not None else None
+            out[turn.turn_id] = self.commit(session, parent, turn.turn, turn.turn_id)
         return out

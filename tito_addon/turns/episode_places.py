@@ -105,16 +105,16 @@ def compaction_prompt(messages: Sequence[ChatMessage]) -> CompactionPrompt | Non
 
 def interrupted_call(node: TurnNode | None) -> str:
     """The call a turn continues: its own, or for a compaction turn the call that compaction interrupted."""
-    while node is not None and node.call == "compaction":
+    while node is not None and node.turn.call == "compaction":
         node = node.parent
-    return node.call if node is not None else "main"
+    return node.turn.call if node is not None else "main"
 
 
 def continuation_place(parent: TurnNode, appended: Sequence[ChatMessage]) -> EpisodePlace:
     compaction = compaction_prompt(appended)
     if compaction is not None:
-        return EpisodePlace(parent.episode, "compaction", reason=f"{compaction.agent}'s compaction instruction")
-    return EpisodePlace(parent.episode, interrupted_call(parent))
+        return EpisodePlace(parent.turn.episode_id, "compaction", reason=f"{compaction.agent}'s compaction instruction")
+    return EpisodePlace(parent.turn.episode_id, interrupted_call(parent))
 
 
 class EpisodeLinks:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from tito_addon.protocols.openai_responses import reply_session
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, read_session
-from tito_addon.records.stored_turns import recorded_nodes
+from tito_addon.records.stored_turns import recorded_turns
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import (
@@ -24,11 +24,11 @@ from tito_addon.sessions.session_space import (
     ClosedSession,
     Located,
     Lookup,
-    NodeData,
     SessionSpace,
     SessionState,
 )
 from tito_addon.sessions.session_tree import Attachment, TurnNode
+from tito_addon.sessions.turn_entity import Turn
 from tito_addon.tito_errors import (
     BadRequest,
     SessionClosed,
@@ -97,12 +97,12 @@ class SessionRecords:
         (`build` makes it), then the tree takes the turn, and later roots of `link_scope` may link to it."""
         written: list[CompletedTurn] = []
 
-        def record(session_id: str, turn_id: int) -> NodeData:
+        def record(session_id: str, turn_id: int) -> Turn:
             done = build(session_id, turn_id)
             if self.recorder is not None:
                 self.recorder.write_turn_line(session_id, done.fields)
             written.append(done)
-            return done.node
+            return done.turn
 
         try:
             node = await self.sessions.commit(claim, record)
@@ -139,11 +139,11 @@ class SessionRecords:
         if recorded.closed_by_driver and self.after_close == "refuse":
             raise SessionClosed(session_id)
         turns = recorded.turns_since_driver_close()
-        nodes = recorded_nodes(turns)
+        restored = recorded_turns(turns)
         # Never reuse the id of a turn left out (before its driver's close), nor of a torn line.
         next_turn_id = recorded.highest_turn_id + 1 + len(recorded.skipped_lines)
-        if await self.sessions.restore(session_id, nodes, next_turn_id):
-            logger.info("tito: resumed session %s with %d recorded turns", session_id, len(nodes))
+        if await self.sessions.restore(session_id, restored, next_turn_id):
+            logger.info("tito: resumed session %s with %d recorded turns", session_id, len(restored))
             await self._note_recorded(session_id, turns)
         return True
 

@@ -12,8 +12,9 @@ from tito_addon.backends.backend_protocol import BackendResult
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
+from tito_addon.records.stored_turns import turn_of
 from tito_addon.sessions.message_keys import message_key
-from tito_addon.sessions.session_space import NodeData
+from tito_addon.sessions.turn_entity import Turn
 from tito_addon.turns.episode_places import record_fields
 from tito_addon.turns.turn_types import PreparedTurn
 
@@ -45,12 +46,12 @@ def reasoning_tokens(completion_ids: list[int], message: dict[str, Any], end_id:
 
 @dataclass(frozen=True)
 class CompletedTurn:
-    """A turn the backend finished: its record line, and what it adds to its session's tree."""
+    """A turn the backend finished: its record line, and the turn its session's tree holds (read from that line)."""
 
     session_id: str
     turn_id: int
     fields: dict[str, Any]  # the line's fields (`TurnRecord.line_fields`), for the line and for the flow metadata
-    node: NodeData
+    turn: Turn
 
 
 def completed_turn(
@@ -70,7 +71,6 @@ def completed_turn(
     parent = prepared.parent
     appended_keys = prepared.keys[len(prepared.keys) - len(prepared.appended) :]
     segment_keys = tuple(appended_keys) + (message_key(assistant),)
-    reasoning = assistant.reasoning_text()
     tools_sha = tools_digest(prepared.request.tools)
     place = prepared.place
     episode = place.episode_of(session_id, turn_id, automatic=prepared.session_id is None)
@@ -80,7 +80,7 @@ def completed_turn(
     dumped = request.model_dump(mode="json", include=asked) if asked else {}
     first_appended = len(prepared.keys) - len(prepared.appended)
     # The line is built as `TurnRecord.line_fields` would give it, then validated as a TurnRecord (what every
-    # reader does with it) without building one: a model and its dump cost twice the validation.
+    # reader does with it), not dumped from one: a model and its dump cost twice the validation.
     fields = without_defaults({
         "schema": TURN_SCHEMA,
         "session_id": session_id,
@@ -93,7 +93,7 @@ def completed_turn(
         "sampling": {k: v for k, v in dumped.items() if v is not None},
         "chat_template_kwargs": dict(prepared.kwargs),
         "tools_sha256": tools_sha,
-        "tools": request.tools if (parent is None or tools_sha != parent.tools_sha256) else None,
+        "tools": request.tools if (parent is None or tools_sha != parent.turn.tools_sha256) else None,
         "appended_messages": [m.model_dump(mode="json", exclude_none=True) for m in prepared.appended]
         if record_message_text
         else None,
@@ -125,18 +125,7 @@ def completed_turn(
             "family": engine.family.name,
         },
     })  # fmt: skip
-    TurnRecord.model_validate(fields)
-    node = NodeData(
-        message_end=(parent.message_end if parent else 0) + len(segment_keys),
-        segment_keys=segment_keys,
-        reasoning=reasoning,
-        added_ids=prepared.piece.ids,
-        completion_ids=result.completion_ids,
-        finish_reason=result.finish_reason,
-        tools_sha256=tools_sha,
-        template_kwargs=prepared.kwargs,
-        reply_id=reply_id or None,
-        episode=episode,
-        call=place.call,
-    )
-    return CompletedTurn(session_id, turn_id, fields, node)
+    line = TurnRecord.model_validate(fields)
+    message_end = (parent.message_end if parent else 0) + len(segment_keys)
+    turn = turn_of(line, message_end, segment_keys, assistant.reasoning_text())
+    return CompletedTurn(session_id, turn_id, fields, turn)

@@ -151,7 +151,7 @@ class TurnService:
             summary = (await self.sessions.continued(parsed.agent.compaction_refs[-1], parsed.session_id)).parent
             assert summary is not None
             follows = Follows(summary.session.session_id, summary.turn_id, "compaction_item")
-            root = EpisodePlace(summary.episode, interrupted_call(summary), follows)
+            root = EpisodePlace(summary.turn.episode_id, interrupted_call(summary), follows)
         elif attachment.parent is None:
             named, first_root = parsed.session_id is not None, attachment.session is None
             messages = parsed.agent.chat.messages
@@ -206,7 +206,7 @@ class TurnService:
         appended = messages[attachment.matched :]
         if agent.previous_response_id is not None and (
             any(m.role == "assistant" for m in appended)
-            or self.engine.history_changed(parent.template_kwargs or {}, kwargs, request.tools)  # type: ignore[union-attr]
+            or self.engine.history_changed(parent.turn.chat_template_kwargs or {}, kwargs, request.tools)  # type: ignore[union-attr]
         ):
             # The stored history's text is not at hand to render afresh: the client must send it.
             raise BadRequest(
@@ -217,7 +217,9 @@ class TurnService:
             # An edited or injected assistant message cannot extend stored ids: serve it as a fresh render,
             # a new root of the same session.
             parent, appended = None, messages
-        elif parent is not None and self.engine.history_changed(parent.template_kwargs or {}, kwargs, request.tools):
+        elif parent is not None and self.engine.history_changed(
+            parent.turn.chat_template_kwargs or {}, kwargs, request.tools
+        ):
             # Kwargs that render the stored history differently (gpt-oss `reasoning_effort` lives in the system
             # message) would not reach the model through a continuation: a fresh render tells it, as a new root.
             parent, appended = None, messages
@@ -232,7 +234,7 @@ class TurnService:
         if parent is None:
             piece = self.engine.first_turn(messages, request.tools, kwargs)
         else:
-            piece = self.engine.continuation(parent.completion_ids, appended, request.tools, kwargs)
+            piece = self.engine.continuation(parent.turn.completion_ids, appended, request.tools, kwargs)
         prompt = PromptIds(parent, piece.ids, self.prefixes)
         return PreparedTurn(
             parsed.route,
