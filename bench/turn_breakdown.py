@@ -60,6 +60,7 @@ def breakdown(turns: int, tokenizer: str) -> dict:
     from tito_addon.engine.token_engine import TokenEngine
     from tito_addon.engine.tokenizer_loading import load_tokenizer
     from tito_addon.protocols import openai_chat
+    from tito_addon.records.records_port import NullRecords
     from tito_addon.sessions.message_keys import message_key
     from tito_addon.turns.turn_service import TurnService
 
@@ -95,7 +96,7 @@ def breakdown(turns: int, tokenizer: str) -> dict:
         runner, port = await start_backend()
         base = f"http://127.0.0.1:{port}"
         client = UpstreamClient()
-        service = TurnService(engine, SglangBackend(client), sessions_class(), None)
+        service = TurnService(engine, SglangBackend(client), sessions_class(), NullRecords())
         out: dict = {}
         prepared: dict[int, list[float]] = {}
         try:

@@ -42,7 +42,7 @@ def main() -> None:
     from tito_addon.engine.token_engine import TokenEngine
     from tito_addon.engine.tokenizer_loading import load_tokenizer
     from tito_addon.proxy.collector_tuning import tune_collector
-    from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+    from tito_addon.records.records_port import FileRecords
     from tito_addon.sessions.memory_sessions import MemorySessions
     from tito_addon.turns.turn_service import TurnService
 
@@ -50,7 +50,7 @@ def main() -> None:
                          append_roles=("tool", "user", "system"))  # fmt: skip
     backend = BackendProcess(0.1)
     sglang = SglangBackend(UpstreamClient(), verify_echo=False, compact_requests=engine.family.compact_requests)
-    service = TurnService(engine, sglang, MemorySessions(), TrajectoryRecorder(tempfile.mkdtemp(prefix="tito-instr-")))
+    service = TurnService(engine, sglang, MemorySessions(), FileRecords(tempfile.mkdtemp(prefix="tito-instr-")))
     tune_collector(50_000)  # as the addon does (`tito_gc_threshold`)
 
     async def agent(index: int, turns: int) -> None:

@@ -405,11 +405,12 @@ async def test_a_changed_reasoning_effort_is_a_fresh_render_not_a_continuation()
     from tito_addon.backends.backend_protocol import BackendResult
     from tito_addon.backends.sglang_backend import SglangBackend
     from tito_addon.backends.upstream_client import UpstreamClient
+    from tito_addon.records.records_port import NullRecords
     from tito_addon.sessions.memory_sessions import MemorySessions
     from tito_addon.turns.turn_service import TurnService
 
     engine = engine_for("gpt-oss")
-    service = TurnService(engine, SglangBackend(UpstreamClient()), MemorySessions(), None)
+    service = TurnService(engine, SglangBackend(UpstreamClient()), MemorySessions(), NullRecords())
     headers = {"x-session-id": "effort"}
     first = [{"role": "user", "content": "Hi"}]
 

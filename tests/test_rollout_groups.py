@@ -22,6 +22,7 @@ from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.episode_segments import episode_segments
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import iter_session_files, read_session
+from tito_addon.records.records_port import FileRecords
 from tito_addon.records.rollout_groups import AUTO_PREFIX, GroupSizeError, PlacedRow
 from tito_addon.records.segment_branches import branch_of
 from tito_addon.records.trainer_rows import ExportOptions, rows_of, verl_row
@@ -63,7 +64,7 @@ def record_episodes(out: Path, episodes: dict, tree: bool = False) -> Trajectory
 
     async def run(url: str) -> None:
         client = UpstreamClient()
-        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), recorder)
+        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), FileRecords(out))
         for session, (first, _, _) in episodes.items():
             await episode(service, url, session, first)
         if tree:

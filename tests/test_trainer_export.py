@@ -17,6 +17,7 @@ from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import read_session, read_session_file
+from tito_addon.records.records_port import FileRecords
 from tito_addon.records.trainer_rows import encode_rows, schema, session_rows
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
@@ -64,9 +65,7 @@ def recordings(tmp_path_factory) -> Path:
 
     async def session(url: str) -> None:
         client = UpstreamClient()
-        service = TurnService(
-            cached_engine("qwen3"), SglangBackend(client), MemorySessions(), TrajectoryRecorder(record_dir)
-        )
+        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), FileRecords(record_dir))
         await weather_tree(service, url)
         await client.close()
 
@@ -135,7 +134,7 @@ def annotated(tmp_path_factory) -> Path:
 
     async def session(url: str, replica: ReplicaThread) -> None:
         client = UpstreamClient()
-        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), recorder)
+        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), FileRecords(record_dir))
         await weather_tree(service, url, lambda step: setattr(replica.backend.config, "weight_version", f"v{step}"))
         replica.backend.config.weight_version = "v9"
         body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 5}

@@ -6,8 +6,8 @@ HTTP client does that when told to use the proxy), or with `Host: tito.control` 
 Off unless `tito_control_token` is set; the host is then not served at all (the flow goes wherever it was going).
 With it, every request must carry `Authorization: Bearer TOKEN`: anything else is the same 401, whatever the path,
 so a caller without the token learns nothing. A body over 1 MiB is a 413 (mitmproxy reads a body before any answer
-goes out, so one declared over 64 MiB closes the connection unread). What each route does: `turns/session_control`,
-except `GET /v1/info`, answered here: what a driver must know of this proxy's configuration before it runs agents.
+goes out, so one declared over 64 MiB closes the connection unread). The routes: `control_routes`, and `GET /v1/info`,
+answered here: what a driver must know of this proxy's configuration before it runs agents.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import logging
 import re
 from importlib import metadata
 from typing import Any
-from urllib.parse import urlsplit
 
 from mitmproxy import ctx, exceptions, http
 
 from tito_addon.protocols.http_reply import HttpReply, json_reply, refusal_reply
+from tito_addon.proxy.control_routes import MAX_BODY, Call, ControlRoutes, Route
 from tito_addon.proxy.turn_wiring import TurnWiring
 from tito_addon.tito_errors import TitoError
-from tito_addon.turns.session_control import MAX_BODY, SessionControl
+from tito_addon.turns.session_control import SessionControl
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def unauthorized() -> http.Response:
 
 class ControlAddon:
     def __init__(self, wiring: TurnWiring) -> None:
-        self.control = SessionControl(lambda: wiring.sessions)
+        self.routes = ControlRoutes(SessionControl(lambda: wiring.sessions), (Route(("GET",), INFO_PATH, info),))
         self.token = b""
         self.host = "tito.control"
 
@@ -149,22 +149,16 @@ class ControlAddon:
             body = flow.request.raw_content or b""
             if len(body) > MAX_BODY or flow.request.headers.get("content-encoding"):
                 reply = refusal(413 if len(body) > MAX_BODY else 415, "request body too large or encoded")
-            elif urlsplit(flow.request.path).path == INFO_PATH:
-                reply = self.info(flow.request.method)
             else:
-                reply = await self.control.handle(flow.request.method, flow.request.path, body)
+                reply = await self.routes.handle(flow.request.method, flow.request.path, body)
             flow.response = http.Response.make(reply.status, reply.body, reply.headers)
         except Exception:
             logger.exception("tito control: unexpected failure")
             flow.response = internal_error()
 
-    @staticmethod
-    def info(method: str) -> HttpReply:
-        if method != "GET":
-            reply = refusal(405, f"method {method} not allowed here; use GET")
-            reply.headers["allow"] = "GET"
-            return reply
-        return json_reply(200, json.dumps(proxy_info()).encode())
+
+async def info(routes: ControlRoutes, call: Call) -> HttpReply:
+    return json_reply(200, json.dumps(proxy_info()).encode())
 
 
 def internal_error() -> http.Response:

@@ -13,8 +13,7 @@ from mitmproxy import ctx, http
 
 from tito_addon.proxy.turn_wiring import TurnWiring
 from tito_addon.records.record_models import TurnRecord
-from tito_addon.records.record_reader import read_session
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+from tito_addon.records.records_port import FileRecords, Records
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +21,12 @@ logger = logging.getLogger(__name__)
 class FlowFileRecords:
     def __init__(self, wiring: TurnWiring) -> None:
         self.wiring = wiring
-        self.recorder: TrajectoryRecorder | None = None  # on tito_record_dir, when no turn service records
+        self.records: Records | None = None  # on tito_record_dir, when no turn service records
         self._written: dict[str, set[int]] = {}  # turn ids on disk, per session read so far
 
     def configure(self, updated: set[str]) -> None:
         if "tito_record_dir" in updated:
-            self.recorder = TrajectoryRecorder(ctx.options.tito_record_dir)
+            self.records = FileRecords(ctx.options.tito_record_dir)
 
     def response(self, flow: http.HTTPFlow) -> None:
         if flow.live:
@@ -36,8 +35,8 @@ class FlowFileRecords:
         if not isinstance(record, dict):
             return
         service = self.wiring.service
-        recorder = service.recorder if service is not None else self.recorder
-        if recorder is None:
+        records = service.sessions.records if service is not None else self.records
+        if records is None:
             return
         try:
             turn = TurnRecord.model_validate(record)
@@ -46,9 +45,9 @@ class FlowFileRecords:
             return
         known = self._written.get(turn.session_id)
         if known is None:
-            recorded = read_session(recorder.record_dir, turn.session_id)
+            recorded = records.read(turn.session_id)
             known = {t.turn_id for t in recorded.turns} if recorded is not None else set()
             self._written[turn.session_id] = known
         if turn.turn_id not in known:
-            recorder.write_turn(turn)
+            records.append_turn_record(turn)
             known.add(turn.turn_id)

@@ -22,7 +22,8 @@ from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.collector_tuning import tune_collector
 from tito_addon.proxy.tito_settings import TitoSettings
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder, default_writer_id
+from tito_addon.records.records_port import FileRecords
+from tito_addon.records.trajectory_recorder import default_writer_id
 from tito_addon.sessions.memory_sessions import MemorySessions
 from tito_addon.sessions.redis_sessions import RedisSessions
 from tito_addon.sessions.session_space import SessionSpace
@@ -96,12 +97,12 @@ class TurnWiring:
             compact_requests=engine.family.compact_requests,
         )
         # With a shared store several processes write turns of one session: each its own part of the file.
-        recorder = TrajectoryRecorder(settings.record_dir, writer=self.writer_id if shared else None)
+        records = FileRecords(settings.record_dir, writer=self.writer_id if shared else None)
         self.service = TurnService(
             engine,
             backend,
             sessions,
-            recorder,
+            records,
             session_header=settings.session_header,
             prefixes=self.prefixes,
             record_message_text=settings.record_message_text,

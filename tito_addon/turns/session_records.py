@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from tito_addon.protocols.openai_responses import reply_session
 from tito_addon.records.record_models import TurnRecord
-from tito_addon.records.record_reader import RecordError, read_session
+from tito_addon.records.record_reader import RecordError
+from tito_addon.records.records_port import Records
 from tito_addon.records.stored_turns import recorded_turns
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import (
     Claim,
@@ -45,12 +45,10 @@ logger = logging.getLogger(__name__)
 
 
 class SessionRecords:
-    def __init__(
-        self, sessions: SessionSpace, recorder: TrajectoryRecorder | None, after_close: str = "refuse"
-    ) -> None:
+    def __init__(self, sessions: SessionSpace, records: Records, after_close: str = "refuse") -> None:
         """`after_close`: what a request naming a session its driver closed gets: `refuse` (410) or a `new` tree."""
         self.sessions = sessions
-        self.recorder = recorder
+        self.records = records
         self.after_close = after_close
         self.unsettled: list[tuple[str, int]] = []  # (session, turn) written whose commit's outcome is unknown
         # What later roots (a context rebuilt from a summary, a sub-agent) link to: fed by every commit and resume.
@@ -99,8 +97,7 @@ class SessionRecords:
 
         def record(session_id: str, turn_id: int) -> Turn:
             done = build(session_id, turn_id)
-            if self.recorder is not None:
-                self.recorder.write_turn_line(session_id, done.fields)
+            self.records.append_turn(session_id, done.fields)
             written.append(done)
             return done.turn
 
@@ -127,10 +124,8 @@ class SessionRecords:
     async def resume(self, session_id: str) -> bool:
         """Put a named session back from its record files (all writers' parts), so its turns extend the recorded ids
         and its turn ids continue instead of colliding. False when nothing is recorded."""
-        if self.recorder is None:
-            return False
         try:
-            recorded = read_session(self.recorder.record_dir, session_id)
+            recorded = self.records.read(session_id)
             if recorded is None or not (recorded.turns or recorded.skipped_lines):
                 return False
             recorded.full_ids()  # proves every parent is present and every prompt length adds up
@@ -197,18 +192,16 @@ class SessionRecords:
             logger.info(
                 "tito: session %s closed (%s) after %d turns", session.session_id, session.reason, session.turns
             )
-            if self.recorder is None or session.turns == 0:
+            if session.turns == 0:
                 continue
             try:
-                self.recorder.close_session(session.session_id, session.turns, session.reason)
+                self.records.close(session.session_id, session.turns, session.reason)
             except OSError:
                 logger.exception("could not close the record of session %s", session.session_id)
 
     def _withdraw(self, session_id: str, turn_id: int, reason: str) -> None:
-        if self.recorder is None:
-            return
         try:
-            self.recorder.withdraw_turn(session_id, turn_id, reason)
+            self.records.withdraw(session_id, turn_id, reason)
         except OSError:
             logger.exception("could not withdraw turn %d of session %s", turn_id, session_id)
 

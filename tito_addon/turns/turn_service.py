@@ -27,7 +27,7 @@ from tito_addon.protocols.http_reply import HttpReply, json_reply
 from tito_addon.protocols.known_messages import DEFAULT_BUDGET_BYTES
 from tito_addon.protocols.routing import agent_apis, find_route
 from tito_addon.protocols.turn_refs import TurnSigner
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+from tito_addon.records.records_port import Records
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import Claim, SessionSpace
@@ -84,7 +84,7 @@ class TurnService:
         engine: TokenEngine,
         backend: Backend,
         sessions: SessionSpace,
-        recorder: TrajectoryRecorder | None,
+        records: Records,
         *,
         session_header: str = "x-session-id",
         prefixes: EncodedPrefixes | None = None,
@@ -105,9 +105,8 @@ class TurnService:
         self.apis: list[AgentApi] = agent_apis(self.signer, memo_bytes, warm_apis)
         self.engine = engine
         self.backend = backend
-        self.sessions = SessionRecords(sessions, recorder, after_close)
+        self.sessions = SessionRecords(sessions, records, after_close)
         self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
-        self.recorder = recorder
         self.session_header = session_header.lower()
 
     def route(self, path: str) -> Route | None:
