@@ -21,12 +21,12 @@ import aiohttp
 import pytest
 from conftest import wait_until
 
+from tito_addon.replicas.sglang_cli import main
 from tito_addon.replicas.sglang_replica import (
     FAULT_NAMES,
     ReferenceBackend,
     ReplicaConfig,
     ReplicaThread,
-    main,
 )
 
 REPO = Path(__file__).resolve().parents[1]

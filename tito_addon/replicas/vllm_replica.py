@@ -15,7 +15,7 @@ Two wire versions: ``0.32.0`` (matches the recorded bodies key for key) and ``0.
 first release with derender: no usage on generate, a random generate ``request_id``,
 ``"token_id:N"`` logprob placeholders, the 0.24 ``GenerateRequest`` field set).
 
-The "model" is the sglang replica's script (:mod:`tito_addon.replicas.sglang_replica`): generate
+The "model" is the scripted model both replicas serve (:mod:`tito_addon.replicas.scripted_model`): generate
 has no messages, so it decodes the prompt ids, recovers the Qwen3 conversation from the text
 (tools in the system block, tool results, assistant turns, ``enable_thinking=False`` from a
 prompt that ends in an empty think block) and lets the same script decide the completion,
@@ -39,24 +39,18 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from tito_addon.replicas.sglang_replica import (
-    _ASSISTANT_OPEN,
-    _THINK_END,
-    _THINK_START,
-    _TOOL_START,
-    TRUNCATED_COMPLETION,
-    ReplicaThread,
-    ServedApp,
-    _completion_text,
-    _json_response,
-    _load_tokenizer,
-    _logprob,
-    _noncanonical_ids,
-    _reset_before_answering,
-    _script_turn,
-    _stall_or_reset,
-    _Tokenizer,
+from tito_addon.replicas.faults import TRANSPORT_FAULTS, answer_transport_fault
+from tito_addon.replicas.replica_runner import BackendThread, ServedApp, json_response
+from tito_addon.replicas.replica_tokenizer import ReplicaTokenizer, load_tokenizer, noncanonical_ids
+from tito_addon.replicas.scripted_model import (
+    ASSISTANT_OPEN,
+    THINK_END,
+    THINK_START,
+    TOOL_START,
+    completion_text,
     conversation_from_prompt,
+    logprob,
+    script_turn,
 )
 
 __all__ = ["VLLM_FAULTS", "VllmReplica", "VllmReplicaConfig", "VllmReplicaThread"]
@@ -67,7 +61,7 @@ _DERENDER = "/v1/chat/completions/derender"
 _ENDPOINTS = {"render": _RENDER, "generate": _GENERATE, "derender": _DERENDER}
 
 #: Fault kinds per endpoint (``"<endpoint>:<kind>"``); ``http<NNN>`` (any 4xx/5xx) works everywhere.
-_COMMON_FAULTS = frozenset({"none", "stall", "reset", "reset_early", "not_json", "truncated_json"})
+_COMMON_FAULTS = frozenset({"none"}) | TRANSPORT_FAULTS
 VLLM_FAULTS: dict[str, frozenset[str]] = {
     "render": _COMMON_FAULTS,
     "generate": _COMMON_FAULTS
@@ -182,10 +176,10 @@ def _is_number(v: Any) -> bool:
 
 def parse_qwen3_reasoning(text: str, thinking_enabled: bool) -> tuple[str | None, str | None]:
     """vLLM ``Qwen3ReasoningParser.extract_reasoning`` (reasoning is NOT stripped)."""
-    before, start, after = text.partition(_THINK_START)
+    before, start, after = text.partition(THINK_START)
     text = after if start else before
-    if _THINK_END in text:
-        reasoning, _, content = text.partition(_THINK_END)
+    if THINK_END in text:
+        reasoning, _, content = text.partition(THINK_END)
         return reasoning, content or None
     if not thinking_enabled:
         return None, text
@@ -199,7 +193,7 @@ def parse_hermes_tool_calls(text: str) -> tuple[list[tuple[str, str]], str | Non
     malformed call (bad JSON, no name/arguments) means *no* tool calls and the whole text as
     content, like vLLM.
     """
-    if _TOOL_START not in text:
+    if TOOL_START not in text:
         return [], text
     try:
         calls: list[tuple[str, str]] = []
@@ -208,13 +202,13 @@ def parse_hermes_tool_calls(text: str) -> tuple[list[tuple[str, str]], str | Non
             calls.append((str(obj["name"]), json.dumps(obj["arguments"], ensure_ascii=False)))
     except (ValueError, KeyError, TypeError):
         return [], text
-    content: str | None = text[: text.find(_TOOL_START)] or None
+    content: str | None = text[: text.find(TOOL_START)] or None
     if content is not None and content.strip() == "":
         content = None
     return calls, content
 
 
-def _token_text(tok: _Tokenizer, tid: int, context: list[int]) -> str:
+def _token_text(tok: ReplicaTokenizer, tid: int, context: list[int]) -> str:
     """One token's text; a byte-fallback U+FFFD is repaired from up to 4 context tokens
     (vLLM ``_correct_decoded_token``)."""
     text = tok.token_texts([tid])[0]
@@ -253,7 +247,7 @@ class VllmReplica(ServedApp):
 
     def __init__(self, config: VllmReplicaConfig) -> None:
         self.config = config
-        self.tokenizer = _load_tokenizer(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         #: ``(path, parsed body)`` of every POST to render / generate / derender, in order
         self.received: list[tuple[str, dict[str, Any]]] = []
         #: per successful generate: ``{"prompt_ids", "completion_ids", "logprobs"}``
@@ -300,6 +294,10 @@ class VllmReplica(ServedApp):
         with self._lock:
             return list(self.received)
 
+    def generated_copy(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.generated)
+
     def reset(self) -> None:
         """Forget received bodies, generations and pending faults."""
         with self._lock:
@@ -318,7 +316,7 @@ class VllmReplica(ServedApp):
 
     # ----------------------------------------------------------------- small endpoints
     async def _version(self, request: web.Request) -> web.Response:
-        return _json_response({"version": self.config.version})
+        return json_response({"version": self.config.version})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -351,7 +349,7 @@ class VllmReplica(ServedApp):
                 }
             ],
         }
-        return _json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     # ----------------------------------------------------------------- shared request plumbing
     async def _begin(
@@ -368,7 +366,7 @@ class VllmReplica(ServedApp):
         except (ValueError, UnicodeDecodeError) as exc:
             with self._lock:
                 self.received.append((request.path, {"_raw": raw.decode("utf-8", "replace")}))
-            return None, _json_response(_error_body(400, f"Invalid JSON body: {exc}"), status=400), None
+            return None, json_response(_error_body(400, f"Invalid JSON body: {exc}"), status=400), None
         with self._lock:
             self.received.append((request.path, body if isinstance(body, dict) else {"_raw": body}))
         if self.v32 and not self.config.enable_scale_out:
@@ -376,24 +374,18 @@ class VllmReplica(ServedApp):
                 f"{request.path} is a scale-out endpoint, which is disabled on this server. "
                 "Start vLLM with --enable-scale-out to enable it."
             )
-            return None, _json_response(_error_body(403, msg), status=403), None
+            return None, json_response(_error_body(403, msg), status=403), None
         fault = self._pop_fault(endpoint)
         if fault is not None:
             m = _HTTP_FAULT.fullmatch(fault)
             if m:
                 code = int(m.group(1))
                 body_ = _error_body(code, f"injected fault ({endpoint}:{fault})")
-                return None, _json_response(body_, status=code), None
-            if fault == "not_json":
-                return None, web.Response(status=200, body=b"{weird", content_type="application/json"), None
-            if fault == "truncated_json":
-                return None, web.Response(status=200, body=TRUNCATED_COMPLETION, content_type="application/json"), None
-            if fault == "reset_early":
-                return None, await _reset_before_answering(request), None
-            if fault in ("stall", "reset"):
-                return None, await _stall_or_reset(request, fault, self._stopping), None
+                return None, json_response(body_, status=code), None
+            if fault in TRANSPORT_FAULTS:
+                return None, await answer_transport_fault(request, fault, self._stopping), None
         if not isinstance(body, dict):
-            return None, _json_response(_error_body(400, "Request body must be a JSON object."), status=400), None
+            return None, json_response(_error_body(400, "Request body must be a JSON object."), status=400), None
         return body, None, fault  # a remaining fault is a body fault, applied to the answer
 
     def _check_model(self, model: Any) -> None:
@@ -411,8 +403,8 @@ class VllmReplica(ServedApp):
         try:
             out = self._render_body(body, request)
         except _HttpError as exc:
-            return _json_response(_error_body(exc.status, exc.message, exc.param), status=exc.status)
-        return _json_response(out)
+            return json_response(_error_body(exc.status, exc.message, exc.param), status=exc.status)
+        return json_response(out)
 
     def _render_body(self, body: dict[str, Any], request: web.Request) -> dict[str, Any]:
         self._check_model(body.get("model"))
@@ -559,8 +551,8 @@ class VllmReplica(ServedApp):
         History is ignored: a turn-2 prompt that carries turn 1's ``</think>`` is False, as recorded.
         """
         text = self.tokenizer.decode(prompt_ids)
-        at = text.rfind(_ASSISTANT_OPEN)
-        return at != -1 and _THINK_END in text[at + len(_ASSISTANT_OPEN) :]
+        at = text.rfind(ASSISTANT_OPEN)
+        return at != -1 and THINK_END in text[at + len(ASSISTANT_OPEN) :]
 
     def _sampling_params(self, body: dict[str, Any], max_tokens: int, tools_active: bool) -> dict[str, Any]:
         """``ChatCompletionRequest.to_sampling_params`` serialized the way the real server does.
@@ -633,7 +625,7 @@ class VllmReplica(ServedApp):
         try:
             gen = self._run_model(body, request)
         except _HttpError as exc:
-            return _json_response(_error_body(exc.status, exc.message, exc.param), status=exc.status)
+            return json_response(_error_body(exc.status, exc.message, exc.param), status=exc.status)
         if self.config.latency_s > 0:
             await asyncio.sleep(self.config.latency_s)
         with self._lock:
@@ -642,7 +634,7 @@ class VllmReplica(ServedApp):
             )
         if self.v32 and body.get("stream") is True:
             return await self._stream_generate(request, body, gen, fault)
-        return _json_response(self._generate_body(body, gen, fault))
+        return json_response(self._generate_body(body, gen, fault))
 
     def _run_model(self, body: dict[str, Any], request: web.Request) -> dict[str, Any]:
         tok = self.tokenizer
@@ -679,9 +671,9 @@ class VllmReplica(ServedApp):
 
         prompt_ids = [int(t) for t in ids]
         conv, thinking = conversation_from_prompt(tok.decode(prompt_ids))
-        script = _script_turn(conv, thinking, answer_sentences=self.config.answer_sentences)
-        text, spans, fallback = _completion_text(script)
-        out, _ = _noncanonical_ids(tok, text, spans, fallback, enabled=self.config.noncanonical)
+        script = script_turn(conv, thinking, answer_sentences=self.config.answer_sentences)
+        text, spans, fallback = completion_text(script)
+        out, _ = noncanonical_ids(tok, text, spans, fallback, enabled=self.config.noncanonical)
         out.append(tok.im_end)
         finish = "stop"
         if len(out) > limit:
@@ -693,7 +685,7 @@ class VllmReplica(ServedApp):
             "request_id": f"generate-tokens-{rid}" if self.v32 else uuid.uuid4().hex,
             "prompt_ids": prompt_ids,
             "ids": out,
-            "logprobs": [_logprob(i, t) for i, t in enumerate(out)],
+            "logprobs": [logprob(i, t) for i, t in enumerate(out)],
             "finish": finish,
             "top_k": None if k is None else (_MAX_TOP_LOGPROBS if k == -1 else min(k, _MAX_TOP_LOGPROBS)),
         }
@@ -887,7 +879,7 @@ class VllmReplica(ServedApp):
         try:
             out = self._derender_body(body)
         except _HttpError as exc:
-            return _json_response(_error_body(exc.status, exc.message, exc.param), status=exc.status)
+            return json_response(_error_body(exc.status, exc.message, exc.param), status=exc.status)
         if fault == "not_chat":
             choice = out["choices"][0]
             out = {
@@ -909,7 +901,7 @@ class VllmReplica(ServedApp):
             msg = out["choices"][0]["message"]
             msg.update({"content": None, "reasoning": None})
             msg.pop("tool_calls", None)
-        return _json_response(out)
+        return json_response(out)
 
     def _derender_body(self, body: dict[str, Any]) -> dict[str, Any]:
         model = body.get("model")
@@ -1027,14 +1019,14 @@ class VllmReplica(ServedApp):
         reasoning, content = parse_qwen3_reasoning(text, thinking) if self.config.reasoning_parser else (None, text)
         content = content or ""
         calls: list[tuple[str, str]] = []
-        if self.config.tool_parser and chat_request.get("tools") and _TOOL_START in content:
+        if self.config.tool_parser and chat_request.get("tools") and TOOL_START in content:
             closed = content[: content.rfind("</tool_call>") + len("</tool_call>")] if "</tool_call>" in content else ""
             calls, _ = parse_hermes_tool_calls(closed) if closed else ([], None)
-            content = content[: content.find(_TOOL_START)]
+            content = content[: content.find(TOOL_START)]
         else:
             # Hold back a tail that may still become "<tool_call>".
-            for cut in range(min(len(content), len(_TOOL_START) - 1), 0, -1):
-                if _TOOL_START.startswith(content[-cut:]):
+            for cut in range(min(len(content), len(TOOL_START) - 1), 0, -1):
+                if TOOL_START.startswith(content[-cut:]):
                     content = content[:-cut]
                     break
         sent = dict(state["sent"])
@@ -1171,7 +1163,7 @@ class VllmReplica(ServedApp):
 # --------------------------------------------------------------------------------------
 
 
-class VllmReplicaThread(ReplicaThread):
+class VllmReplicaThread(BackendThread):
     """Run a :class:`VllmReplica` on its own event loop in a daemon thread.
 
     Same surface as :class:`~tito_addon.replicas.sglang_replica.ReplicaThread`: context manager,
@@ -1191,7 +1183,3 @@ class VllmReplicaThread(ReplicaThread):
 
     def received(self) -> list[tuple[str, dict[str, Any]]]:  # type: ignore[override]
         return self.backend.received_copy()
-
-    def __enter__(self) -> VllmReplicaThread:
-        self.start()
-        return self

@@ -436,7 +436,7 @@ def replay_command(argv: list[str]) -> int:
 
 
 def reference_backend_command(argv: list[str]) -> int:
-    from tito_addon.replicas.sglang_replica import main as reference_main
+    from tito_addon.replicas.sglang_cli import main as reference_main
 
     return reference_main(argv)
 
