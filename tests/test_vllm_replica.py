@@ -18,14 +18,9 @@ from typing import Any
 
 import pytest
 
-from tito_addon.replicas.vllm_replica import (
-    VllmReplica,
-    VllmReplicaConfig,
-    VllmReplicaThread,
-    conversation_from_prompt,
-    parse_hermes_tool_calls,
-    parse_qwen3_reasoning,
-)
+from tito_addon.replicas.scripted_model import conversation_from_prompt
+from tito_addon.replicas.vllm_derender import parse_hermes_tool_calls, parse_qwen3_reasoning
+from tito_addon.replicas.vllm_replica import VllmReplica, VllmReplicaConfig, VllmReplicaThread
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TOKENIZER_DIR = SHARED / "tokenizers" / "qwen3"

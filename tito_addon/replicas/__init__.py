@@ -8,7 +8,8 @@ vLLM bodies, and the harness that runs real processes on loopback (`proxy_proces
   tokenizer (`replica_tokenizer`: a real HF tokenizer and the non-canonical ids), the transport faults (`faults`) and
   how a replica is served (`replica_runner`: an aiohttp app, in a thread for sync tests);
 - each server's wire, in modules named for it: sglang's (`sglang_replica`, the server; `sglang_config`,
-  `sglang_generation`, `sglang_bodies`; `sglang_cli`, the `reference-backend` command) and vLLM's (`vllm_replica`).
+  `sglang_generation`, `sglang_bodies`; `sglang_cli`, the `reference-backend` command) and vLLM's (`vllm_replica`,
+  the server; `vllm_config` and one module per endpoint: `vllm_render`, `vllm_generate`, `vllm_derender`).
 
 Replicas import nothing of the package except each other, so they stay independent of the code they test; one
 server's modules never import the other's, and the shared concepts import neither. Only `tools.demo_run` and
