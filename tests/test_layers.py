@@ -14,6 +14,10 @@ Layers (each sub-package's `__init__` docstring says the same in prose):
     replicas    only each other, so they stay independent of the code they stand in for
     trainers    only each other: verl's and slime's loaders run on the trainer's Python; the only users of torch
 
+Inside `replicas`, each module has a role: a server's (named for it: `sglang_*`, `vllm_*`), a concept both servers
+share, or the harness. A server's modules import their own and the shared ones, never another server's; the shared
+concepts import only each other; the harness imports only itself.
+
 `test_a_planted_violation_is_caught` plants one violation of each kind in a copy of the tree and shows the
 checker names it, so the rules are known to bite.
 """
@@ -55,6 +59,19 @@ ALLOWED: dict[str, set[str]] = {
 #: The only modules outside `replicas` that may import a replica (the demo runs one; `reference-backend` serves one).
 REPLICA_USERS = {"tito_addon.tools.demo_run", "tito_addon.tools.cli"}
 MITMPROXY_USERS = {"proxy", "tools"}
+#: The replicas' modules by role: each server's wire, in modules named for the server (`sglang_replica` is sglang's);
+#: the concepts both servers share (the scripted model, its tokenizer, the faults, how a replica is served); the
+#: harness that runs real processes (mitmdump, redis, haproxy). A module in none of them is unplaced.
+REPLICA_SERVERS = ("sglang", "vllm")
+REPLICA_SHARED = {"scripted_model", "replica_tokenizer", "faults", "replica_runner"}
+REPLICA_HARNESS = {"proxy_process", "fleet"}
+#: Which roles' modules a replica module may import: a server its own and the shared concepts, never another server's.
+REPLICA_ALLOWED: dict[str, set[str]] = {
+    **{server: {server, "shared"} for server in REPLICA_SERVERS},
+    "shared": {"shared"},
+    "harness": {"harness"},
+    "package": set(),
+}
 #: Never imported by the package outside `trainers` (which runs in a trainer's environment, never in the addon):
 #: the addon loads tokenizers and templates, never a model.
 FORBIDDEN_EVERYWHERE = {"torch"}
@@ -92,6 +109,25 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+def replica_role(module: str) -> str | None:
+    """A module's role inside `replicas` (see REPLICA_ALLOWED); `package` for `replicas` itself, None if unplaced."""
+    parts = module.split(".")
+    if len(parts) == 2:
+        return "package"
+    name = parts[2]
+    if name.split("_")[0] in REPLICA_SERVERS:
+        return name.split("_")[0]
+    if name in REPLICA_SHARED:
+        return "shared"
+    return "harness" if name in REPLICA_HARNESS else None
+
+
+def is_module(name: str, root: Path) -> bool:
+    """Whether the dotted `name` is a module or a sub-package of the tree at `root`."""
+    path = root.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def layer_of(module: str, root: Path) -> str:
     """A module's layer: its sub-package, `ground` for a module at the package root, `entry` for the package."""
     parts = module.split(".")
@@ -100,7 +136,7 @@ def layer_of(module: str, root: Path) -> str:
     return parts[1] if (root / parts[1]).is_dir() else GROUND
 
 
-def imports_of(path: Path, module: str) -> list[str]:
+def imports_of(path: Path, module: str, root: Path) -> list[str]:
     """Every module this file imports, anywhere in it (functions and TYPE_CHECKING blocks too), made absolute."""
     tree = ast.parse(path.read_text("utf-8"), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -115,8 +151,11 @@ def imports_of(path: Path, module: str) -> list[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            # `from tito_addon import engine` imports the sub-package `engine`.
-            found += [f"{target}.{alias.name}" if target in ("tito_addon",) else target for alias in node.names]
+            # `from tito_addon import engine` imports the sub-package `engine`, `from tito_addon.replicas import
+            # faults` the module `faults`.
+            for alias in node.names:
+                named = f"{target}.{alias.name}"
+                found.append(named if target == "tito_addon" or is_module(named, root) else target)
     return found
 
 
@@ -128,7 +167,12 @@ def violations(root: Path) -> list[Violation]:
         if layer not in ALLOWED:
             out.append(Violation(module, "-", f"{layer!r} is not a known layer; add it to the table in this test"))
             continue
-        for imported in imports_of(path, module):
+        role = replica_role(module) if layer == "replicas" else None
+        if layer == "replicas" and role is None:
+            rule = "is not placed among the replicas' roles: name it for its server or add it to this test's table"
+            out.append(Violation(module, "-", rule))
+            continue
+        for imported in imports_of(path, module, root):
             top = imported.split(".")[0]
             if top in FORBIDDEN_EVERYWHERE and layer not in TORCH_USERS:
                 out.append(Violation(module, imported, f"{top} is never imported by the package"))
@@ -145,6 +189,9 @@ def violations(root: Path) -> list[Violation]:
                     out.append(Violation(module, imported, "replicas are imported only by the demo and tests"))
                 elif target != "replicas" and target not in ALLOWED[layer]:
                     out.append(Violation(module, imported, f"{layer} may import only {sorted(ALLOWED[layer])}"))
+                elif role is not None and target == "replicas" and replica_role(imported) not in REPLICA_ALLOWED[role]:
+                    allowed = sorted(REPLICA_ALLOWED[role])
+                    out.append(Violation(module, imported, f"{role} replica modules may import only {allowed} of them"))
     return out
 
 
@@ -178,12 +225,19 @@ PLANTED = [
     ("protocols/planted.py", "from tito_addon.turns import turn_service\n", "protocols may import only"),
     ("canonical_planted.py", "from tito_addon.engine import token_engine\n", "ground may import only"),
     ("turns/planted.py", "from tito_addon.replicas.sglang_replica import ReplicaThread\n", "replicas are imported"),
-    ("replicas/planted.py", "from tito_addon.engine.token_engine import TokenEngine\n", "replicas may import only"),
+    ("replicas/vllm_planted.py", "from tito_addon.engine.token_engine import TokenEngine\n", "replicas may import"),
     ("tools/planted.py", "from tito_addon.replicas import vllm_replica\n", "replicas are imported only"),
     ("turns/planted.py", "import torch\n", "never imported by the package"),
     ("records/planted.py", "def lazy():\n    from tito_addon.trainers import verl_batch\n", "records may import"),
     ("trainers/planted.py", "from tito_addon.records.trainer_rows import rows_of\n", "trainers may import only"),
     ("newlayer/__init__.py", '"""A layer nobody has placed."""\n', "is not a known layer"),
+    ("replicas/planted.py", "import json\n", "is not placed among the replicas' roles"),
+    ("replicas/vllm_planted.py", "from tito_addon.replicas.sglang_replica import ReplicaThread\n", "vllm replica"),
+    ("replicas/sglang_planted.py", "from tito_addon.replicas import vllm_derender\n", "sglang replica modules may"),
+    ("replicas/scripted_model.py", "def lazy():\n    from tito_addon.replicas import sglang_cli\n", "shared replica"),
+    ("replicas/faults.py", "from tito_addon.replicas.vllm_replica import VLLM_FAULTS\n", "shared replica modules may"),
+    ("replicas/replica_runner.py", "from tito_addon.replicas.fleet import ProxyFleet\n", "shared replica modules may"),
+    ("replicas/fleet.py", "from tito_addon.replicas.replica_runner import ServedApp\n", "harness replica modules"),
 ]
 
 
@@ -193,21 +247,39 @@ def test_a_planted_violation_is_caught(tmp_path: Path, where: str, source: str, 
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.jinja"))
     assert violations(copy) == []
     (copy / where).parent.mkdir(exist_ok=True)
-    (copy / where).write_text(source)
+    with (copy / where).open("a", encoding="utf-8") as planted:  # a new module, or appended to an existing one
+        planted.write(source)
     found = violations(copy)
     assert len(found) == 1 and rule in found[0].rule, found
     assert found[0].module == module_name(copy / where, copy)
 
 
-def test_no_module_outside_replicas_is_long_without_a_reason() -> None:
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "replicas" in path.relative_to(PACKAGE).parts:
-            continue
+def long_without_a_reason(root: Path) -> list[str]:
+    """The modules (the replicas' too) longer than MAX_LINES whose docstring does not say why."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
         text = path.read_text("utf-8")
         lines = text.count("\n")
-        if lines > MAX_LINES:
-            docstring = ast.get_docstring(ast.parse(text)) or ""
-            assert LONG_REASON in docstring, f"{path.relative_to(REPO)} has {lines} lines and no '{LONG_REASON}'"
+        if lines > MAX_LINES and LONG_REASON not in (ast.get_docstring(ast.parse(text)) or ""):
+            found.append(f"{path.relative_to(root.parent)} has {lines} lines and no '{LONG_REASON}'")
+    return found
+
+
+def test_no_module_is_long_without_a_reason() -> None:
+    found = long_without_a_reason(PACKAGE)
+    assert not found, "\n".join(found)
+
+
+def test_a_long_replica_without_a_reason_is_caught(tmp_path: Path) -> None:
+    root = tmp_path / "tito_addon"
+    (root / "replicas").mkdir(parents=True)
+    long_body = "x = 1\n" * MAX_LINES
+    (root / "replicas" / "sglang_planted.py").write_text('"""A replica."""\n' + long_body)
+    assert long_without_a_reason(root) == [
+        f"tito_addon/replicas/sglang_planted.py has {MAX_LINES + 1} lines and no '{LONG_REASON}'"
+    ]
+    (root / "replicas" / "sglang_planted.py").write_text(f'"""A replica.\n\n{LONG_REASON} a reason."""\n' + long_body)
+    assert long_without_a_reason(root) == []
 
 
 def packed_under_fmt_skip(path: Path) -> list[int]:
