@@ -114,6 +114,16 @@ class VllmEndpoint:
         """vLLM's ``random_uuid()``: 16 hex digits in 0.32, a full uuid4 hex in 0.24."""
         return uuid.uuid4().hex[:16] if self.v32 else uuid.uuid4().hex
 
+    def _room(self, n_prompt: int, advice: str = "") -> int:
+        """The tokens a prompt of ``n_prompt`` leaves of the context; none is vLLM's 400, ``advice`` ending it."""
+        room = self.config.max_model_len - n_prompt
+        if room <= 0:
+            raise bad_request(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, your "
+                f"request has {n_prompt} input tokens.{advice}"
+            )
+        return room
+
     def _check_model(self, model: Any) -> None:
         if model is None:
             return

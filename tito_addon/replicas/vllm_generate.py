@@ -47,13 +47,7 @@ class GenerateEndpoint(VllmEndpoint):
         self._check_model(body.get("model"))
         if self.v32 and body.get("output_mode", "tokens") != "tokens":
             raise bad_request("this replica only serves output_mode 'tokens'", param="output_mode")
-        n_prompt = len(ids)
-        room = self.config.max_model_len - n_prompt
-        if room <= 0:
-            raise bad_request(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. However, your "
-                f"request has {n_prompt} input tokens."
-            )
+        room = self._room(len(ids))
         max_tokens = sp.get("max_tokens")  # absent -> server default: the rest of the context
         if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")

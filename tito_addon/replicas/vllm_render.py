@@ -48,13 +48,7 @@ class RenderEndpoint(VllmEndpoint):
             raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
         prompt_ids = self._apply_template(messages, tools or None, kwargs, add_generation_prompt, continue_final)
-        n_prompt = len(prompt_ids)
-        room = self.config.max_model_len - n_prompt
-        if room <= 0:
-            raise bad_request(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. However, your "
-                f"request has {n_prompt} input tokens. Please reduce the length of the input messages."
-            )
+        room = self._room(len(prompt_ids), " Please reduce the length of the input messages.")
         requested = body.get("max_completion_tokens")
         if requested is None:
             requested = body.get("max_tokens")
