@@ -10,9 +10,7 @@ regenerating records from flow files are addons of their own (`session_addons`, 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
@@ -24,15 +22,17 @@ from tito_addon.protocols.http_reply import HttpReply, json_reply, refusal_reply
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.proxy.episode_naming import EPISODE
 from tito_addon.proxy.flow_messages import folded_headers, reply_response
-from tito_addon.proxy.live_stream_server import LiveStreamServer, StreamJob
+from tito_addon.proxy.live_stream_server import LiveStreamServer
 from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.proxy.turn_wiring import TurnWiring, WiringError
 from tito_addon.tito_errors import BadRequest, TitoError
+from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.turn_service import strip_session_prefix
 
 logger = logging.getLogger(__name__)
 
-STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+LIVE = "tito_live"  # a live flow's path on the live server
+AGENT_REQUEST = "tito_agent_request"  # the agent's request as it came, put back once the stream is relayed
 
 
 class TitoAddon:
@@ -41,7 +41,7 @@ class TitoAddon:
     def __init__(self, wiring: TurnWiring | None = None) -> None:
         self.wiring = wiring if wiring is not None else TurnWiring()
         self.live = LiveStreamServer()
-        self._turns: dict[str, set[asyncio.Task[HttpReply]]] = {}
+        self._turns: dict[str, set[asyncio.Task[HttpReply | LiveStream]]] = {}
         self.server_replay = False
 
     def load(self, loader: Any) -> None:
@@ -95,10 +95,11 @@ class TitoAddon:
             return
         try:
             reply = self._refuse_ambiguous_session(flow)
-            if reply is None and await self._go_live(flow, base_url):
-                return
             if reply is None:
                 reply = await self._serve_cancellable(flow, base_url)
+            if isinstance(reply, LiveStream):
+                await self._relay(flow, reply)
+                return
         except Exception:
             logger.exception("tito: unexpected failure")
             reply = json_reply(500, TitoError("internal error in tito_addon; nothing was recorded").body())
@@ -116,49 +117,48 @@ class TitoAddon:
         message = f"the {self.wiring.settings.session_header} header appears more than once; nothing was forwarded"
         return refusal_reply(BadRequest(message))
 
-    async def _go_live(self, flow: http.HTTPFlow, base_url: str | None) -> bool:
-        """Hand a streaming turn to the live stream server, if the backend can stream exact ids."""
-        service = self.wiring.service
-        if service is None:
-            return False
+    async def _relay(self, flow: http.HTTPFlow, stream: LiveStream) -> None:
+        """Point the flow at the live server, which relays the opened stream; the agent's body stays here (the turn
+        service has read it), and the agent's request is put back once the stream is relayed."""
         try:
-            body = flow.request.content or b""
-        except ValueError:
-            return False  # an undecodable content-encoding: the ordinary path answers it 400
-        route = service.route(flow.request.path)
-        if route is not None and route.stream:
-            wants_stream = True  # the path asks (Gemini's streamGenerateContent)
-        elif not STREAM_TRUE.search(body):
-            return False  # the hot path: no second parse of a body that does not ask for a stream
-        else:
-            try:
-                wants_stream = json.loads(body).get("stream") is True
-            except (ValueError, AttributeError, RecursionError):
-                return False  # the ordinary path answers the bad body
-        headers = folded_headers(flow.request.headers)
-        if not wants_stream or base_url is None or not await service.backend.can_stream(base_url, headers):
-            return False
-        port = await self.live.ensure_started()
+            port = await self.live.ensure_started()
+        except BaseException:
+            await stream.aclose()
+            raise
 
         def on_commit(metadata: dict[str, Any]) -> None:
             flow.metadata["tito"] = metadata
 
-        job = StreamJob(service, flow.request.path, headers, body, base_url, on_commit, flow.metadata.get(EPISODE))
-        path = self.live.park(job)
-        flow.metadata["tito_live"] = True
-        flow.request.scheme, flow.request.host, flow.request.port, flow.request.path = "http", "127.0.0.1", port, path
-        return True
+        path = self.live.park(stream, on_commit)
+        flow.metadata[LIVE], flow.metadata[AGENT_REQUEST] = path, flow.request.copy()
+        request = flow.request
+        request.scheme, request.host, request.port, request.path = "http", "127.0.0.1", port, path
+        for header in ("content-encoding", "transfer-encoding"):
+            request.headers.pop(header, None)
+        request.raw_content = b""
+        request.headers["content-length"] = "0"
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get("tito_live") and flow.response is not None:
+        if flow.metadata.get(LIVE) and flow.response is not None:
             flow.response.stream = True  # relay the live server's chunks as they come
 
-    async def _serve_cancellable(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | None:
+    def response(self, flow: http.HTTPFlow) -> None:
+        agent_request = flow.metadata.pop(AGENT_REQUEST, None)
+        if agent_request is not None:
+            flow.request = agent_request  # what a flow file (`-w`) keeps is what the agent sent
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        live = flow.metadata.get(LIVE)
+        if live is not None:
+            self.live.abandon(live)  # never relayed (its agent left first), or relayed already: no-op
+        self.response(flow)
+
+    async def _serve_cancellable(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | LiveStream | None:
         """Serve the turn as a task that a client disconnect cancels (None then): mitmproxy keeps running a
         request hook after its client has gone, and a turn nobody receives must not be recorded."""
         # Awaited right here and held in `_turns`, so neither mitmproxy's keep-alive set nor its debug info (an
         # environment lookup per task) is needed.
-        task = asyncio.create_task(self._serve(flow, base_url), name="tito-turn")
+        task: asyncio.Task[HttpReply | LiveStream] = asyncio.create_task(self._serve(flow, base_url), name="tito-turn")
         turns = self._turns.setdefault(flow.client_conn.id, set())
         turns.add(task)
         try:
@@ -176,7 +176,7 @@ class TitoAddon:
         for task in self._turns.pop(client.id, set()):
             task.cancel()
 
-    async def _serve(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply:
+    async def _serve(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | LiveStream:
         if self.wiring.service is None:
             message = "tito_addon is not configured: set tito_tokenizer; nothing was forwarded"
             return refusal_reply(TitoError(message, status=503))
@@ -186,7 +186,8 @@ class TitoAddon:
             return refusal_reply(BadRequest("request body has an invalid content-encoding"))
         headers = folded_headers(flow.request.headers)
         assert base_url is not None  # request() only serves flows to backend hosts
-        return await self.wiring.service.handle(flow.request.path, headers, body, base_url, flow.metadata.get(EPISODE))
+        episode = flow.metadata.get(EPISODE)
+        return await self.wiring.service.serve(flow.request.path, headers, body, base_url, episode)
 
     def done(self) -> None:
         self.wiring.close_all("shutdown")  # this process's own sessions; shared ones live on in their store

@@ -1,9 +1,12 @@
-"""A loopback-only HTTP server inside mitmdump's event loop that streams live turns to agents.
+"""A loopback-only HTTP server inside mitmdump's event loop that relays live turns to agents.
 
 mitmproxy sends a response set by an addon in one piece, so a token-by-token stream cannot be answered from the
-request hook. Instead the addon parks the turn here under an unguessable token and points the flow at this
-server; with `flow.response.stream` on, mitmproxy relays the chunks as they are written. A write that fails
-means the agent went away: the stream is closed, which closes the upstream request, and nothing is recorded.
+request hook. The turn service opens the stream in that hook (the request read once, the backend's first chunk in);
+the addon parks it here under an unguessable token and points the flow at this server, with an empty body; with
+`flow.response.stream` on, mitmproxy relays the chunks as they are written. This server only pipes: a write that
+fails means the agent went away, and the stream is closed, which closes the upstream request, and nothing is
+recorded. A parked stream whose flow never arrives (its agent left before mitmproxy connected here) is closed after
+`PARKED_S`, or at once when the flow errs.
 """
 
 from __future__ import annotations
@@ -12,38 +15,35 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from tito_addon.protocols.http_reply import HttpReply, json_reply
+from tito_addon.protocols.http_reply import json_reply
 from tito_addon.turns.live_stream import LiveStream
-from tito_addon.turns.turn_service import TurnService
 
 logger = logging.getLogger(__name__)
 
 PATH_PREFIX = "/tito-live/"
+PARKED_S = 30.0  # how long an opened stream waits for its flow to reach this server
 
 
 @dataclass
-class StreamJob:
-    service: TurnService
-    path: str
-    headers: dict[str, str]
-    body: bytes
-    base_url: str
+class Parked:
+    stream: LiveStream
     # Called with the turn's flow metadata once it is committed.
-    on_commit: Callable[[dict[str, Any]], None] = field(default=lambda metadata: None)
-    episode: str | None = None  # the session its driver named through the proxy (`episode_naming`)
+    on_commit: Callable[[dict[str, Any]], None]
+    expiry: asyncio.TimerHandle | None = None
 
 
 class LiveStreamServer:
     def __init__(self) -> None:
-        self.jobs: dict[str, StreamJob] = {}
+        self.jobs: dict[str, Parked] = {}
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._starting = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
         self.disconnects = 0
 
     async def ensure_started(self) -> int:
@@ -61,23 +61,34 @@ class LiveStreamServer:
                 self._runner, self.port = runner, int(runner.addresses[0][1])
         return self.port
 
-    def park(self, job: StreamJob) -> str:
+    def park(self, stream: LiveStream, on_commit: Callable[[dict[str, Any]], None]) -> str:
+        """Hold an open stream for its flow: the path that flow asks this server for."""
         token = secrets.token_urlsafe(24)
-        self.jobs[token] = job
+        parked = Parked(stream, on_commit)
+        parked.expiry = asyncio.get_running_loop().call_later(PARKED_S, self.abandon, PATH_PREFIX + token)
+        self.jobs[token] = parked
         return PATH_PREFIX + token
 
+    def abandon(self, path: str) -> None:
+        """The flow of a parked stream will not come (it erred, or never arrived): close the stream."""
+        parked = self.jobs.pop(path.removeprefix(PATH_PREFIX), None)
+        if parked is None:
+            return
+        if parked.expiry is not None:
+            parked.expiry.cancel()
+        self.disconnects += 1
+        task = asyncio.get_running_loop().create_task(parked.stream.aclose(), name="tito-close-parked")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        job = self.jobs.pop(request.match_info["token"], None)
-        if job is None:
-            return _as_response(json_reply(404, b'{"error": {"message": "no such live turn"}}'))
-        try:
-            opened = await job.service.open_stream(job.path, job.headers, job.body, job.base_url, job.episode)
-        except Exception:
-            logger.exception("tito: could not open a live stream")
-            return _as_response(json_reply(500, b'{"error": {"message": "internal error in tito_addon"}}'))
-        if isinstance(opened, HttpReply):
-            return _as_response(opened)
-        return await self._relay(request, opened, job.on_commit)
+        parked = self.jobs.pop(request.match_info["token"], None)
+        if parked is None:
+            reply = json_reply(404, b'{"error": {"message": "no such live turn"}}')
+            return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
+        if parked.expiry is not None:
+            parked.expiry.cancel()
+        return await self._relay(request, parked.stream, parked.on_commit)
 
     async def _relay(
         self, request: web.Request, stream: LiveStream, on_commit: Callable[[dict[str, Any]], None]
@@ -97,9 +108,14 @@ class LiveStreamServer:
             logger.info("tito: agent disconnected mid-stream; upstream request cancelled")
         finally:
             await _close(chunks)
+            await stream.aclose()  # a relay that failed before its first chunk never ran the chunks' own close
         return response
 
     async def stop(self) -> None:
+        for path in [PATH_PREFIX + token for token in self.jobs]:
+            self.abandon(path)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -110,7 +126,3 @@ async def _close(chunks: Any) -> None:
     closer: Callable[[], Awaitable[None]] | None = getattr(chunks, "aclose", None)
     if closer is not None:
         await closer()
-
-
-def _as_response(reply: HttpReply) -> web.Response:
-    return web.Response(status=reply.status, body=reply.body, headers=reply.headers)

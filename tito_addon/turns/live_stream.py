@@ -35,6 +35,13 @@ class LiveStream:
         self.headers = {**run.responder.stream_headers, "x-tito-stream": "live"}
         self.metadata: dict[str, Any] = {}
 
+    async def aclose(self) -> None:
+        """Close a stream that will never be relayed (its agent went away first): the upstream request, the claim."""
+        try:
+            await self.events.aclose()
+        finally:
+            await self.run.release()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         responder = self.responder
         try:

@@ -112,20 +112,46 @@ class TurnService:
     def route(self, path: str) -> Route | None:
         return find_route(self.apis, path)
 
-    async def handle(
-        self, path: str, headers: dict[str, str], body: bytes, base_url: str, episode: str | None = None
-    ) -> HttpReply:
-        """Serve one agent request. Never raises: every outcome is an HTTP reply in the agent's own API.
-        `episode`: the session a rollout driver named through the proxy (its user name or API key), used unless the
-        request's `/sessions/{id}/` path names one (it wins over the session header)."""
+    async def serve(
+        self,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        base_url: str,
+        episode: str | None = None,
+        *,
+        live: bool = True,
+    ) -> HttpReply | LiveStream:
+        """Serve one agent request, read once: answered whole, or (it asks for a stream, `live`, and the backend streams
+        exact ids) opened as a live stream once the backend's first chunk is in. Never raises: every outcome is a reply
+        in the agent's own API, or the open stream. `episode`: the session a rollout driver named through the proxy
+        (its user name or API key), used unless the request's `/sessions/{id}/` path names one (it wins over the
+        session header)."""
         route = self.route(path)
         if route is None:
             return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
         try:
             headers = {k.lower(): v for k, v in headers.items()}
-            return await self._handle(route, headers, body, base_url, episode)
+            await self.sweep_inline()
+            prepared = await self.prepare("", headers, body, base_url, route, episode)
+            if route.action == "count_tokens":
+                # The exact prompt length this turn would have: our own render, nothing forwarded or recorded.
+                return json_reply(200, route.api.count_tokens_body(len(prepared.prompt)))
+            streams = live and route.action == "turn" and prepared.agent.stream
+            if streams and await self.backend.can_stream(base_url, headers):
+                return await self._open_stream(prepared, headers, base_url)
+            return await self._whole(prepared, headers, base_url)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the API's own error reply
             return error_reply(route.api, exc)
+
+    async def handle(
+        self, path: str, headers: dict[str, str], body: bytes, base_url: str, episode: str | None = None
+    ) -> HttpReply:
+        """`serve`, always answered whole (a stream asked for is re-framed from the finished turn), for a caller with
+        no connection to stream on."""
+        reply = await self.serve(path, headers, body, base_url, episode, live=False)
+        assert isinstance(reply, HttpReply)
+        return reply
 
     async def prepare(
         self,
@@ -253,14 +279,7 @@ class TurnService:
             link_scope=parsed.link_scope,
         )
 
-    async def _handle(
-        self, route: Route, headers: dict[str, str], body: bytes, base_url: str, episode: str | None
-    ) -> HttpReply:
-        await self.sweep_inline()
-        prepared = await self.prepare("", headers, body, base_url, route, episode)
-        if route.action == "count_tokens":
-            # The exact prompt length this turn would have: our own render, nothing forwarded or recorded.
-            return json_reply(200, route.api.count_tokens_body(len(prepared.prompt)))
+    async def _whole(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> HttpReply:
         run = await self.start(prepared, headers, base_url)
         try:
             await self.fit(run)
@@ -273,37 +292,24 @@ class TurnService:
         reply.metadata = metadata
         return reply
 
-    async def open_stream(
-        self, path: str, headers: dict[str, str], body: bytes, base_url: str, episode: str | None = None
-    ) -> HttpReply | LiveStream:
-        """A live stream of the turn, or an ordinary reply when it fails before its first chunk (status and
-        body as for a whole turn). Nothing is committed unless the backend finishes the turn."""
-        headers = {k.lower(): v for k, v in headers.items()}
-        route = self.route(path)
-        if route is None:
-            return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
-        try:
-            await self.sweep_inline()
-            prepared = await self.prepare(path, headers, body, base_url, route, episode)
-            if route.action != "turn":
-                raise BadRequest(f"{route.action} does not stream")
-            run = await self.start(prepared, headers, base_url)
-        except TitoError as error:
-            return error_reply(route.api, error)
+    async def _open_stream(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> LiveStream:
+        """The turn's live stream once the backend's first chunk is in; a failure before that raises, to be answered
+        as a whole turn's would be. Nothing is committed unless the backend finishes the turn."""
+        run = await self.start(prepared, headers, base_url)
         try:
             await self.fit(run)
-        except TitoError as error:
+            events = self.backend.stream_turn(run.backend_turn)
+        except BaseException:
             await run.release()
-            return error_reply(route.api, error)
-        events = self.backend.stream_turn(run.backend_turn)
+            raise
         try:
             first = await anext(events)
-        except (StopAsyncIteration, Exception) as exc:
+        except BaseException as exc:
             await events.aclose()
             await run.release()
             if isinstance(exc, StopAsyncIteration):
-                exc = UpstreamMalformed("backend stream ended before its first chunk")
-            return error_reply(route.api, exc)
+                raise UpstreamMalformed("backend stream ended before its first chunk") from None
+            raise
         return LiveStream(events, first, run)
 
     async def start(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> TurnRun:
