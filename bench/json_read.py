@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/json_read.py [--turn 200] [--repeat 2000]
 
-Bodies: the 345 KiB request of turn 200 of `run_all.conversation` as Python's `json.dumps` writes it (spaced,
+Bodies: the 345 KiB request of turn 200 of `p1_session.conversation` as Python's `json.dumps` writes it (spaced,
 ASCII), the same written compact (as httpx, Node and serde_json clients send it), and a JSON-heavy variant whose
 tool results hold escaped JSON and newlines, spaced and compact. Each is timed interleaved, the median of
 `--repeat` runs. Spaced bodies go to the strict parse (see `json_body`), so they should read as before.
@@ -22,7 +22,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from run_all import conversation  # noqa: E402
+from p1_session import conversation  # noqa: E402
 
 from tito_addon.protocols.json_body import _parse_strict, parse_json_object  # noqa: E402
 

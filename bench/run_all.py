@@ -28,7 +28,6 @@ import tempfile
 import threading
 import time
 import tracemalloc
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from turn_breakdown import CHECKPOINTS, agent_body, conversation  # noqa: E402
+from p1_session import CHECKPOINTS, agent_body, conversation, post, run_session, window  # noqa: E402
 from zero_latency_backend import start as start_backend  # noqa: E402
 
 from tito_addon.records.record_reader import read_session_file  # noqa: E402
@@ -81,26 +80,6 @@ class PlainMitmdump:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(20)
-
-
-def post(url: str, body: dict, session: str) -> float:
-    data = agent_body(body)
-    request = urllib.request.Request(
-        url + "/v1/chat/completions", data=data, headers={"content-type": "application/json", "x-session-id": session}
-    )
-    started = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=120) as response:
-        response.read()
-    return time.perf_counter() - started
-
-
-def run_session(url: str, requests: list[list[dict]], session: str) -> list[float]:
-    return [post(url, {"model": "m", "messages": m}, session) for m in requests]
-
-
-def window(values: list[float], turn: int) -> list[float]:
-    index = turn - 1
-    return values[max(0, index - 2) : index + 3]
 
 
 def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:

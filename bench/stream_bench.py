@@ -25,7 +25,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from turn_breakdown import TOOL_RESULT  # noqa: E402
+from p1_session import TOOL_RESULT  # noqa: E402
 
 from tito_addon.backends.backend_protocol import BackendTurn, StreamEnd  # noqa: E402
 from tito_addon.backends.sglang_backend import SglangBackend  # noqa: E402

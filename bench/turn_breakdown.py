@@ -19,25 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from p1_session import CHECKPOINTS, agent_body, conversation
+
 BENCH = Path(__file__).resolve().parent
-CHECKPOINTS = (2, 50, 100, 200)
-TOOL_RESULT = " ".join(f"row {i}: value={i * 37 % 1000} status=ok" for i in range(60))  # about 500 tokens
-
-
-def conversation(turns: int) -> list[list[dict]]:
-    """The request of every turn: each appends the canned reply and a ~500-token tool result (as run_all.py)."""
-    messages: list[dict] = [{"role": "system", "content": "You are a data agent."}, {"role": "user", "content": "Go."}]
-    requests = []
-    for turn in range(turns):
-        requests.append(list(messages))
-        messages += [{"role": "assistant", "content": "The answer is 21."},
-                     {"role": "tool", "tool_call_id": f"c{turn}", "content": f"{turn}: {TOOL_RESULT}"}]  # fmt: skip
-    return requests
-
-
-def agent_body(body: dict) -> bytes:
-    """A request body as openai-python writes it (compact separators, UTF-8 as is)."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def median_ms(fn, n: int = 15) -> float:
