@@ -20,6 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from concurrency import run_load
+from local_servers import BackendProcess, PlainMitmdump
+from p1_session import CHECKPOINTS, conversation, run_session, window
+
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.fleet import HAProxy, RedisServer
 from tito_addon.replicas.proxy_process import Mitmdump
@@ -52,10 +56,8 @@ class StickyHAProxy(PatientHAProxy):
         return super().config().replace("balance roundrobin", "balance hdr(x-agent-id)\n    hash-type consistent")
 
 
-def p1_store(turns: int, repeats: int, tokenizer: str, backend_url: str, run_session, conversation, window) -> dict:
+def p1_store(turns: int, repeats: int, tokenizer: str, backend_url: str) -> dict:
     """P1 with `memory` and with Redis, and the passthrough baseline, in one run."""
-    from run_all import CHECKPOINTS, PlainMitmdump
-
     requests = conversation(turns)
     runs: dict[str, list[list[float]]] = {"memory": [], "redis": [], "passthrough": []}
     redis = Redis()
@@ -91,9 +93,6 @@ def p1_store(turns: int, repeats: int, tokenizer: str, backend_url: str, run_ses
 
 def p2_fleet(tokenizer: str, sessions: int = 256, turns: int = 10, latency_s: float = 0.1,
              counts: tuple[int, ...] = (1, 2, 3)) -> dict:  # fmt: skip
-    from concurrency import BackendProcess, run_load
-    from run_all import PlainMitmdump
-
     backend = BackendProcess(latency_s)
     result: dict = {"sessions": sessions, "turns_per_session": turns, "backend_latency_ms": latency_s * 1e3}
     redis_bytes: list[float] = []

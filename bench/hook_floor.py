@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from concurrency import BackendProcess  # noqa: E402
-from run_all import PlainMitmdump, measured_load  # noqa: E402
+from concurrency import measured_load  # noqa: E402
+from local_servers import BackendProcess, PlainMitmdump  # noqa: E402
 
 
 def main() -> int:

@@ -26,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from concurrency import BackendProcess, run_load, warm_up  # noqa: E402
+from concurrency import run_load, warm_up  # noqa: E402
+from local_servers import BackendProcess  # noqa: E402
 
 from tito_addon.replicas.proxy_process import Mitmdump  # noqa: E402
 

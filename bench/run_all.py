@@ -17,7 +17,6 @@ P1s, P2f  the shared session store (Redis) against `memory`, and 1-3 proxies beh
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -25,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -35,51 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from concurrency import measured_load, median_run, run_load  # noqa: E402
+from local_servers import Backend, BackendProcess, PlainMitmdump  # noqa: E402
 from p1_session import CHECKPOINTS, agent_body, conversation, post, run_session, window  # noqa: E402
-from zero_latency_backend import start as start_backend  # noqa: E402
 
 from tito_addon.records.record_reader import read_session_file  # noqa: E402
-from tito_addon.replicas.proxy_process import LISTEN, Mitmdump  # noqa: E402
+from tito_addon.replicas.proxy_process import Mitmdump  # noqa: E402
 
 TOKENIZER = os.environ.get("TITO_BENCH_TOKENIZER", str(REPO.parent / "shared" / "tokenizers" / "qwen3"))
-
-
-class Backend:
-    def __init__(self, parse: str = "orjson") -> None:
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.runner, self.port = self.loop.run_until_complete(start_backend(parse=parse))
-            ready.set()
-            self.loop.run_forever()
-
-        threading.Thread(target=run, daemon=True).start()
-        ready.wait(30)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-
-class PlainMitmdump:
-    """mitmdump in reverse mode with no addon: the passthrough baseline (`extra_args`/`env`: e.g. a stub script)."""
-
-    def __init__(self, target: str, extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
-        mitmdump = Path(sys.executable).with_name("mitmdump")
-        argv = [str(mitmdump), "--mode", f"reverse:{target}", "--listen-host", "127.0.0.1", "-p", "0", *extra_args]
-        self.proc = subprocess.Popen(argv + ["--set", "flow_detail=0"], stdout=subprocess.PIPE, text=True,
-                                     env=None if env is None else {**os.environ, **env})  # fmt: skip
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            match = LISTEN.search(line)
-            if match:
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-                self.url = f"http://127.0.0.1:{match.group(1)}"
-                return
-        raise RuntimeError("plain mitmdump did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
 
 
 def p1_p4(turns: int, repeats: int, before: Path | None = None) -> dict:
@@ -237,32 +198,6 @@ def p4(path: Path) -> dict:
     }
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds a process has used (Linux /proc), or None where that cannot be read."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def measured_load(urls: list[str], pids: list[int], sessions: int, turns: int) -> dict:
-    """`run_load`, plus the proxies' own CPU per turn: on a machine whose cores the agents and the backend share,
-    turns/s also moves with what they got, CPU per turn only with what the proxy did. Each proxy is warmed first:
-    a short run would count what a process does once as per-turn cost, twice as often with two processes as with
-    one."""
-    from concurrency import run_load, warm_up
-
-    warm_up(urls)
-    before = [process_cpu_s(pid) for pid in pids]
-    run = run_load(urls, sessions, turns)
-    after = [process_cpu_s(pid) for pid in pids]
-    used = [a - b for a, b in zip(after, before, strict=True) if a is not None and b is not None]
-    if len(used) == len(pids):
-        run["proxy_cpu_ms_per_turn"] = sum(used) / run["turns"] * 1e3
-    return run
-
-
 def p2_instructions(before: Path | None = None) -> dict:
     """P2's turns in instructions a turn, whole proxy process under callgrind (`bench/proxy_instructions.py`):
     passthrough, the addon and the addon "before", side by side (the counts do not depend on the machine's load)."""
@@ -301,8 +236,6 @@ def p2(
     """Each configuration runs `rounds` times, interleaved (passthrough, addon, addon before; then again), and is
     reported by its median run: a single run on this shared machine moves by ±20 %, and interleaving keeps a slow
     minute from landing on one configuration only."""
-    from concurrency import BackendProcess
-
     backend = BackendProcess(latency_s)
     result: dict = {"sessions": sessions, "turns_per_session": turns, "backend_latency_ms": latency_s * 1e3,
                     "rounds": rounds}  # fmt: skip
@@ -332,8 +265,6 @@ def p2(
                 proxy.stop()
 
     try:
-        from concurrency import run_load
-
         result["direct"] = run_load([backend.url], sessions, turns)
         for n in processes:
             runs: dict[str, list[dict]] = {"passthrough": [], "addon": [], "addon_before": []}
@@ -365,20 +296,6 @@ def p2(
     finally:
         backend.close()
     return result
-
-
-def median_run(runs: list[dict]) -> dict:
-    """The median of each measure over `runs`, with every run's turns/s kept beside it."""
-    merged = {key: statistics.median(run[key] for run in runs) for key in runs[0] if key in MEDIAN_KEYS}
-    merged.update({key: value for key, value in runs[0].items() if key not in MEDIAN_KEYS})
-    merged["turns_per_s_runs"] = [run["turns_per_s"] for run in runs]
-    if all("recorded_turns" in run for run in runs):
-        merged["recorded_turns"] = [run["recorded_turns"] for run in runs]
-        merged["sessions_on_disk"] = [run["sessions_on_disk"] for run in runs]
-    return merged
-
-
-MEDIAN_KEYS = {"seconds", "turns_per_s", "p50_ms", "p99_ms", "proxy_cpu_ms_per_turn"}
 
 
 def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) -> dict:
@@ -473,10 +390,7 @@ def run(args: argparse.Namespace, only: set[str], before: Path | None) -> dict:
     if "p1s" in only:
         from fleet_bench import p1_store
 
-        backend = Backend()
-        results["p1_store"] = p1_store(
-            args.turns, args.repeats, TOKENIZER, backend.url, run_session, conversation, window
-        )
+        results["p1_store"] = p1_store(args.turns, args.repeats, TOKENIZER, Backend().url)
     if "p2f" in only:
         from fleet_bench import p2_fleet
 

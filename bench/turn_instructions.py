@@ -34,7 +34,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     args = parser.parse_args()
 
-    from concurrency import TOOL_RESULT, BackendProcess
+    from concurrency import TOOL_RESULT
+    from local_servers import BackendProcess
 
     from tito_addon.backends.sglang_backend import SglangBackend
     from tito_addon.backends.upstream_client import UpstreamClient
