@@ -20,6 +20,9 @@ concepts import only each other; the harness imports only itself.
 
 `test_a_planted_violation_is_caught` plants one violation of each kind in a copy of the tree and shows the
 checker names it, so the rules are known to bite.
+
+The benchmarks (`bench/`, modules imported by bare name) keep their command line apart from their harness: no
+module imports `run_all`, and their imports have no cycle.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from graphlib import CycleError, TopologicalSorter
 from importlib.machinery import PathFinder
 from pathlib import Path
 
@@ -90,6 +94,9 @@ SESSIONS_INTERFACE = {
 ORCHESTRATOR = "tito_addon.turns.turn_service"
 #: A call or a signature with more arguments than this is formatted by the formatter, never packed under `fmt: skip`.
 PACKED_ARGUMENTS = 3
+BENCH = REPO / "bench"
+#: The benchmarks' command line: it imports the harness (`measurements`, `local_servers`, ...), never the reverse.
+BENCH_COMMAND_LINE = "run_all"
 
 
 @dataclass(frozen=True)
@@ -371,3 +378,49 @@ def test_loading_the_script_leaves_its_folder_off_sys_path() -> None:
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "clean", result.stderr[-2000:]
+
+
+def bench_imports(bench: Path) -> dict[str, set[str]]:
+    """Which of bench/'s modules each of them imports (its scripts put bench/ on sys.path and import by bare name)."""
+    names = {path.stem for path in bench.glob("*.py")}
+    return {
+        path.stem: {imported.split(".")[0] for imported in imports_of(path, path.stem, bench)} & names
+        for path in sorted(bench.glob("*.py"))
+    }
+
+
+def bench_problems(bench: Path) -> list[str]:
+    """The bench modules that import the command line, and an import cycle among bench modules."""
+    graph = bench_imports(bench)
+    found = [
+        f"{module} imports {BENCH_COMMAND_LINE}: the command line imports the harness, never the other way"
+        for module, imported in graph.items()
+        if BENCH_COMMAND_LINE in imported
+    ]
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as error:
+        found.append(f"import cycle: {' -> '.join(error.args[1])}")
+    return found
+
+
+def test_the_benchmarks_command_line_stays_apart_from_their_harness() -> None:
+    found = bench_problems(BENCH)
+    assert not found, "\n".join(found)
+
+
+BENCH_PLANTED = [
+    ("planted.py", "from run_all import main\n", "planted imports run_all"),
+    ("concurrency.py", "def lazy():\n    from measurements import p3\n", "import cycle"),
+]
+
+
+@pytest.mark.parametrize(("where", "source", "problem"), BENCH_PLANTED, ids=[w for w, _, _ in BENCH_PLANTED])
+def test_a_planted_bench_problem_is_caught(tmp_path: Path, where: str, source: str, problem: str) -> None:
+    copy = tmp_path / "bench"
+    shutil.copytree(BENCH, copy, ignore=lambda _, names: [n for n in names if not n.endswith(".py")])
+    assert bench_problems(copy) == []
+    with (copy / where).open("a", encoding="utf-8") as planted:
+        planted.write(source)
+    found = bench_problems(copy)
+    assert len(found) == 1 and problem in found[0], found
