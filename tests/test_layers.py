@@ -424,3 +424,92 @@ def test_a_planted_bench_problem_is_caught(tmp_path: Path, where: str, source: s
         planted.write(source)
     found = bench_problems(copy)
     assert len(found) == 1 and problem in found[0], found
+
+
+# -- options: each addon reads only the options it declares --------------------------------------------------------
+
+#: The module that declares the capture addon's options (its settings model) and the modules that declare them
+#: through it (`TitoSettings.declare_options`).
+SETTINGS_MODULE = "tito_addon/proxy/tito_settings.py"
+OPTION_HOLDERS = {"ctx", "opts", "options"}  # `ctx.options.tito_x`, and the names an addon binds `ctx.options` to
+
+
+def settings_options(root: Path) -> set[str]:
+    """The `tito_*` options the settings model declares: its fields, with the prefix."""
+    tree = ast.parse((root.parent / SETTINGS_MODULE).read_text("utf-8"))
+    model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TitoSettings")
+    return {
+        "tito_" + n.target.id for n in model.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+
+
+def options_of(path: Path, root: Path) -> tuple[set[str], set[str], list[int]]:
+    """What a module declares (`add_option("tito_…")`, or the settings' options through `declare_options`), the
+    `tito_*` options it reads off mitmproxy's options, and the lines where it reads one by a computed name."""
+    tree = ast.parse(path.read_text("utf-8"))
+    declared: set[str] = set()
+    read: set[str] = set()
+    computed: list[int] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            first = node.args[0] if node.args else None
+            if node.func.attr == "add_option" and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                declared.add(first.value)
+            if node.func.attr == "declare_options":
+                declared |= settings_options(root)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            holder, name = (node.args + [None, None])[:2]
+            on_options = isinstance(holder, ast.Attribute) and holder.attr == "options"
+            on_options |= isinstance(holder, ast.Name) and holder.id in OPTION_HOLDERS
+            if on_options and isinstance(name, ast.Constant) and isinstance(name.value, str):
+                read.add(name.value) if name.value.startswith("tito_") else None
+            elif on_options:
+                computed.append(node.lineno)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("tito_"):
+            holder = node.value
+            if (isinstance(holder, ast.Attribute) and holder.attr == "options") or (
+                isinstance(holder, ast.Name) and holder.id in OPTION_HOLDERS
+            ):
+                read.add(node.attr)
+    return declared, read, computed
+
+
+def foreign_option_reads(root: Path) -> list[str]:
+    """Every read of an option the reading addon does not declare (it reads what the owner publishes instead:
+    `proxy/proxy_facts.py`), and every read by a computed name, which nothing could check."""
+    found = []
+    for path in sorted((root / "proxy").glob("*.py")):
+        if path.relative_to(root.parent).as_posix() == SETTINGS_MODULE:
+            continue  # the settings model reads its own options, by name, into settings
+        declared, read, computed = options_of(path, root)
+        name = path.relative_to(root.parent)
+        found += [f"{name} reads {option}, another addon's option" for option in sorted(read - declared)]
+        found += [f"{name}:{line} reads an option by a computed name" for line in computed]
+    return found
+
+
+def test_no_addon_reads_another_addons_options() -> None:
+    found = foreign_option_reads(PACKAGE)
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("where", "source", "said"),
+    [
+        ("proxy/replay_addon.py", "def f():\n    return ctx.options.tito_tokenizer\n", "reads tito_tokenizer"),
+        ("proxy/control_addon.py", "def f(o):\n    return getattr(o.options, 'tito_' + o)\n", "a computed name"),
+        (
+            "proxy/flow_file_records.py",
+            "def f(opts):\n    return getattr(opts, 'tito_record_dir')\n",
+            "tito_record_dir",
+        ),
+    ],
+)
+def test_a_foreign_option_read_is_caught(tmp_path: Path, where: str, source: str, said: str) -> None:
+    copy = tmp_path / "tito_addon"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.jinja"))
+    assert foreign_option_reads(copy) == []
+    with (copy / where).open("a", encoding="utf-8") as planted:
+        planted.write(source)
+    found = foreign_option_reads(copy)
+    assert len(found) == 1 and said in found[0], found

@@ -40,8 +40,8 @@ if __name__.startswith("__mitmproxy_script__."):
     # hook sees the request; replay then serves a recorded answer before the capture addon would go to the backend.
     addons = [
         _ControlAddon(_wiring),
-        _EpisodeNaming(lambda flow: _backend_of(_wiring, flow) is not None),
-        _TitoReplay(),
+        _EpisodeNaming(lambda flow: _backend_of(_wiring, flow) is not None, _wiring.facts),
+        _TitoReplay(_wiring.facts),
         _capture,
         _SessionSweeper(_wiring),
         _SessionListing(_wiring),

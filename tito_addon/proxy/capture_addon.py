@@ -53,12 +53,14 @@ class TitoAddon:
         if not updated & TitoSettings.option_names():
             return
         opts = ctx.options
+        facts = self.wiring.facts
+        facts.record_dir, facts.message_memo_bytes = opts.tito_record_dir, opts.tito_message_memo_mb * 1024 * 1024
         if not opts.tito_tokenizer:
             # Not an OptionsError: that would refuse to load the script at all in interactive mitmproxy,
             # where the user can still `set tito_tokenizer`. Until then chat turns are answered 503, and an
             # ERROR at startup makes mitmdump exit. A pure offline replay needs no tokenizer.
             self.wiring.unconfigure()
-            replay_only = getattr(opts, "tito_replay_dir", "") and getattr(opts, "tito_replay_fallback", "") != "live"
+            replay_only = facts.replaying and not facts.replay_fallback_live
             if not replay_only and not getattr(opts, "rfile", None):  # -r only rewrites recorded trajectories
                 logger.error("tito: tito_tokenizer is required: --set tito_tokenizer=<HF model name or tokenizer dir>")
             return

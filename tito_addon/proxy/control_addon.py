@@ -43,23 +43,19 @@ def package_version() -> str:
         return "unknown"
 
 
-def proxy_info() -> dict[str, Any]:
+def proxy_info(wiring: TurnWiring) -> dict[str, Any]:
     """What a driver checks before it starts an agent: how episodes are named (the API-key prefix, whether proxy
     auth needs a password: never the password itself), what a closed name does, and which backend and tokenizer
-    the rows will come from."""
-
-    def option(name: str) -> Any:
-        # Declared by the other addons: a proxy embedding this one alone answers null rather than failing.
-        return getattr(ctx.options, "tito_" + name, None)
-
+    the rows will come from (null until the proxy is configured)."""
+    settings, facts = wiring.settings, wiring.facts
     return {
         "version": package_version(),
-        "session_api_key_prefix": option("session_api_key_prefix") or None,
-        "after_close": option("after_close"),
-        "proxy_auth_password_required": bool(option("proxy_auth_password")),
-        "backend_kind": option("backend_kind"),
-        "model_family": option("model_family"),
-        "tokenizer": option("tokenizer") or None,
+        "session_api_key_prefix": facts.session_api_key_prefix or None,
+        "after_close": settings.after_close if settings is not None else None,
+        "proxy_auth_password_required": facts.proxy_auth_password_required,
+        "backend_kind": settings.backend_kind if settings is not None else None,
+        "model_family": settings.model_family if settings is not None else None,
+        "tokenizer": (settings.tokenizer or None) if settings is not None else None,
     }
 
 
@@ -70,6 +66,9 @@ def unauthorized() -> http.Response:
 
 class ControlAddon:
     def __init__(self, wiring: TurnWiring) -> None:
+        async def info(routes: ControlRoutes, call: Call) -> HttpReply:
+            return json_reply(200, json.dumps(proxy_info(wiring)).encode())
+
         self.routes = ControlRoutes(SessionControl(lambda: wiring.sessions), (Route(("GET",), INFO_PATH, info),))
         self.token = b""
         self.host = "tito.control"
@@ -155,10 +154,6 @@ class ControlAddon:
         except Exception:
             logger.exception("tito control: unexpected failure")
             flow.response = internal_error()
-
-
-async def info(routes: ControlRoutes, call: Call) -> HttpReply:
-    return json_reply(200, json.dumps(proxy_info()).encode())
 
 
 def internal_error() -> http.Response:

@@ -30,6 +30,7 @@ from typing import Any
 from mitmproxy import connection, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import RegularMode, UpstreamMode
 
+from tito_addon.proxy.proxy_facts import ProxyFacts
 from tito_addon.tito_errors import FINAL_HEADERS
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,12 @@ def proxy_auth_required() -> http.Response:
 class EpisodeNaming:
     """Reads an episode name off proxy auth or an API key; rewrites the key to the backend's."""
 
-    def __init__(self, is_backend: Callable[[http.HTTPFlow], bool] | None = None) -> None:
+    def __init__(
+        self, is_backend: Callable[[http.HTTPFlow], bool] | None = None, facts: ProxyFacts | None = None
+    ) -> None:
         # Which flows go to a backend (only those may carry the backend's key); the capture addon decides.
         self.is_backend = is_backend or (lambda flow: True)
+        self.facts = facts if facts is not None else ProxyFacts()  # what it publishes of its options
         # CONNECT tunnels named by their proxy auth: every request inside carries that name.
         self.tunnels: MutableMapping[connection.Client, str] = weakref.WeakKeyDictionary()
         self.key_prefix = ""
@@ -104,6 +108,7 @@ class EpisodeNaming:
             raise exceptions.OptionsError("invalid tito_backend_api_key: it starts with tito_session_api_key_prefix")
         self.key_prefix, self.backend_key = prefix, backend_key
         self.password = ctx.options.tito_proxy_auth_password
+        self.facts.session_api_key_prefix, self.facts.proxy_auth_password_required = prefix, bool(self.password)
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from mitmproxy import ctx, http
+from mitmproxy import http
 
 from tito_addon.proxy.turn_wiring import TurnWiring
 from tito_addon.records.record_models import TurnRecord
@@ -24,10 +24,6 @@ class FlowFileRecords:
         self.records: Records | None = None  # on tito_record_dir, when no turn service records
         self._written: dict[str, set[int]] = {}  # turn ids on disk, per session read so far
 
-    def configure(self, updated: set[str]) -> None:
-        if "tito_record_dir" in updated:
-            self.records = FileRecords(ctx.options.tito_record_dir)
-
     def response(self, flow: http.HTTPFlow) -> None:
         if flow.live:
             return
@@ -35,9 +31,12 @@ class FlowFileRecords:
         if not isinstance(record, dict):
             return
         service = self.wiring.service
-        records = service.sessions.records if service is not None else self.records
-        if records is None:
-            return
+        if service is not None:
+            records = service.sessions.records
+        else:  # no turn service (no tokenizer: `-r` alone): the record dir the capture addon was given
+            if self.records is None or str(self.records.record_dir) != str(self.wiring.facts.record_dir):
+                self.records = FileRecords(self.wiring.facts.record_dir)
+            records = self.records
         try:
             turn = TurnRecord.model_validate(record)
         except ValueError:

@@ -14,6 +14,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 
 from tito_addon.protocols.routing import is_agent_path
+from tito_addon.proxy.proxy_facts import ProxyFacts
 from tito_addon.records.record_reader import RecordError
 from tito_addon.records.replay_index import ReplayIndex
 from tito_addon.tito_errors import TitoError
@@ -23,9 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 class TitoReplay:
-    def __init__(self) -> None:
+    def __init__(self, facts: ProxyFacts | None = None) -> None:
+        self.facts = facts if facts is not None else ProxyFacts()
         self.index: ReplayIndex | None = None
         self.service: ReplayService | None = None
+        self.memo_bytes = 0  # what the service's memos were sized to
 
     def load(self, loader: Any) -> None:
         loader.add_option("tito_replay_dir", str, "", "Serve the sessions recorded in this directory (offline replay).")
@@ -36,8 +39,8 @@ class TitoReplay:
     def configure(self, updated: set[str]) -> None:
         if "tito_replay_fallback" in updated and ctx.options.tito_replay_fallback not in ("404", "live"):
             raise exceptions.OptionsError("tito_replay_fallback must be 404 or live")
-        if "tito_message_memo_mb" in updated and self.service is not None:
-            self.service.resize_memos(self._memo_bytes())
+        self.facts.replay_fallback_live = ctx.options.tito_replay_fallback == "live"
+        self.facts.replaying = bool(ctx.options.tito_replay_dir)
         if "tito_replay_dir" not in updated:
             return
         directory = ctx.options.tito_replay_dir
@@ -48,12 +51,15 @@ class TitoReplay:
             self.index = ReplayIndex.load(Path(directory))
         except (RecordError, OSError, ValueError) as exc:
             raise exceptions.OptionsError(f"cannot replay {directory}: {exc}") from exc
-        self.service = ReplayService(self.index, memo_bytes=self._memo_bytes())
+        self.memo_bytes = self.facts.message_memo_bytes
+        self.service = ReplayService(self.index, memo_bytes=self.memo_bytes)
 
-    @staticmethod
-    def _memo_bytes() -> int:
-        # The capture addon's option (this addon can run without it: then the default).
-        return int(getattr(ctx.options, "tito_message_memo_mb", 128)) * 1024 * 1024
+    def _sized(self, service: ReplayService) -> ReplayService:
+        """The service with its memos sized as the capture addon's option says now (it configures after this one)."""
+        if self.memo_bytes != self.facts.message_memo_bytes:
+            self.memo_bytes = self.facts.message_memo_bytes
+            service.resize_memos(self.memo_bytes)
+        return service
 
     def running(self) -> None:
         # Said once both options are final: mitmproxy's own line names only the placeholder reverse target.
@@ -87,11 +93,12 @@ class TitoReplay:
 
     def _answer(self, flow: http.HTTPFlow) -> http.Response | None:
         assert self.service is not None
+        service = self._sized(self.service)
         try:
             body = flow.request.content or b""
         except ValueError:
             body = b"\xff"  # an undecodable content-encoding: parsed as invalid UTF-8, so a 400 in the agent's API
-        answer = self.service.answer(flow.request.path, body)
+        answer = service.answer(flow.request.path, body)
         if answer is None:
             return None
         if isinstance(answer, Miss):

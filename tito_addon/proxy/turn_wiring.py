@@ -21,6 +21,7 @@ from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
 from tito_addon.engine.tokenizer_loading import load_tokenizer
 from tito_addon.protocols.turn_refs import TurnSigner, stored_key
 from tito_addon.proxy.collector_tuning import tune_collector
+from tito_addon.proxy.proxy_facts import ProxyFacts
 from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.records_port import FileRecords
 from tito_addon.records.trajectory_recorder import default_writer_id
@@ -43,6 +44,7 @@ class WiringError(ValueError):
 
 class TurnWiring:
     def __init__(self) -> None:
+        self.facts = ProxyFacts()
         self.settings: TitoSettings | None = None
         self.engine: TokenEngine | None = None
         self.service: TurnService | None = None
