@@ -33,7 +33,11 @@ def agent_body(body: dict) -> bytes:
 
 def post(url: str, body: dict, session: str) -> float:
     """Seconds one chat request to `url` takes, its answer read to the end."""
-    data = agent_body(body)
+    return send(url, agent_body(body), session)
+
+
+def send(url: str, data: bytes, session: str) -> float:
+    """`post` of a body already written (in whichever JSON style a client writes it)."""
     request = urllib.request.Request(
         url + "/v1/chat/completions", data=data, headers={"content-type": "application/json", "x-session-id": session}
     )
