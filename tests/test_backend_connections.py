@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from conftest import examples
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tito_addon.backends.backend_connections import ConnectFailed, ConnectionPool, HttpError
@@ -442,3 +443,96 @@ async def test_the_upstream_client_names_each_failure_as_the_agent_sees_it() -> 
         await client.close()
     with pytest.raises(UpstreamUnavailable, match="unreachable at http://127.0.0.1:9/x"):
         await UpstreamClient().get("http://user:secret@127.0.0.1:9/x", {})
+
+
+class _QuietTransport(asyncio.Transport):
+    """What the parser writes to and closes: nothing (the answer is fed to it directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def writelines(self, data: object) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _NoPool:
+    def forget(self, connection: object) -> None:
+        pass
+
+
+@settings(max_examples=examples(400), deadline=None)
+@given(
+    body=st.binary(max_size=300),
+    sizes=st.lists(st.integers(1, 60), max_size=6),
+    framing=st.sampled_from(["length", "chunked", "close", "gzip"]),
+    edits=st.lists(
+        st.tuples(
+            st.sampled_from(["flip", "insert", "delete", "cut"]),
+            st.integers(0, 10_000),
+            st.binary(min_size=1, max_size=4),
+        ),
+        min_size=1,
+        max_size=4,
+    ),  # fmt: skip
+    cuts=st.lists(st.integers(1, 50), max_size=20),
+)
+def test_a_mangled_answer_is_read_or_refused_as_an_http_error_and_never_hangs(
+    body: bytes, sizes: list[int], framing: str, edits: list[tuple[str, int, bytes]], cuts: list[int]
+) -> None:
+    """The hostile suite's treatment for what a backend answers: a valid answer with bytes flipped, inserted, dropped or
+    cut short, delivered in any segments, then the connection's end. The parser either reads an answer or fails with an
+    HttpError (which the proxy answers 502); no other exception escapes it, and it never waits for bytes that the end
+    of the connection says will not come."""
+    from tito_addon.backends.backend_connections import _Connection
+
+    if framing == "length":
+        raw = with_length(body)
+    elif framing == "chunked":
+        raw = chunked(body, sizes)
+    elif framing == "gzip":
+        packed = gzip.compress(body)
+        raw = b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s" % (len(packed), packed)
+    else:
+        raw = OK_HEAD + b"\r\n" + body
+    mangled = bytearray(raw)
+    for kind, at, data in edits:
+        at %= len(mangled) + 1
+        if kind == "flip" and at < len(mangled):
+            mangled[at] ^= data[0] or 1
+        elif kind == "insert":
+            mangled[at:at] = data
+        elif kind == "delete":
+            del mangled[at : at + len(data)]
+        else:
+            del mangled[at:]
+
+    async def run() -> tuple[bool, HttpError | None, bytes]:
+        connection = _Connection(_NoPool(), (False, "backend", 80))  # type: ignore[arg-type]
+        connection.connection_made(_QuietTransport())
+        connection.start("POST", [])
+        at = 0
+        for cut in [*cuts, len(mangled)]:
+            if at >= len(mangled):
+                break
+            connection.data_received(bytes(mangled[at : at + cut]))
+            at += cut
+        connection.connection_lost(None)
+        read = b""
+        if connection._head is not None and connection._head.done() and connection._head.exception() is None:
+            try:
+                while (piece := await asyncio.wait_for(connection.next_piece(), 1)) is not None:
+                    read += piece
+            except HttpError as error:
+                return connection._done, error, read
+        return connection._done, connection._error, read
+
+    done, error, read = asyncio.run(run())
+    event("refused" if error is not None else "read")
+    assert done or error is not None, "after the connection's end the answer is either read or refused"
+    assert error is None or isinstance(error, HttpError)
+    if bytes(mangled) == raw:
+        assert done and error is None and read == body
