@@ -43,7 +43,12 @@ def assistant(turn: int, signature: str) -> dict:
     return {"role": "assistant", "content": blocks}
 
 
-def session(turns: int) -> list[bytes]:
+def spaced(obj: dict) -> bytes:
+    """As a Python agent on requests or aiohttp writes it: `json.dumps`, spaced, non-ASCII escaped."""
+    return json.dumps(obj).encode()
+
+
+def session(turns: int, write=compact) -> list[bytes]:
     messages: list[dict] = [
         {"role": "user", "content": [{"type": "text", "text": "Fix the build, Zürich team."}]},
     ]
@@ -51,7 +56,7 @@ def session(turns: int) -> list[bytes]:
     for turn in range(turns):
         body = {"model": "claude", "messages": messages, "system": SYSTEM, "tools": TOOLS, "max_tokens": 4096,
                 "stream": True}  # fmt: skip
-        bodies.append(compact(body))
+        bodies.append(write(body))
         answer = assistant(turn, "forged" if turn % 4 == 2 else "ours")
         if turn % 5 == 3:
             answer = {"role": "assistant", "content": f"Plain answer {turn}."}  # keeps the newest signatures
@@ -79,8 +84,11 @@ def known(monkeypatch: pytest.MonkeyPatch) -> KnownRequests:
     return requests
 
 
-def test_each_turn_translates_only_what_was_appended(known: KnownRequests, monkeypatch: pytest.MonkeyPatch) -> None:
-    bodies = session(14)
+@pytest.mark.parametrize("write", [compact, spaced], ids=["compact", "spaced-ascii"])
+def test_each_turn_translates_only_what_was_appended(
+    write, known: KnownRequests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bodies = session(14, write)
     previous = None
     forged = 0
     for turn, body in enumerate(bodies):

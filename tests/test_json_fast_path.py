@@ -17,7 +17,7 @@ from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tito_addon.protocols.json_body import _parse_strict, parse_json_object
+from tito_addon.protocols.json_body import _parse_strict, parse_json_object, read_json_object
 from tito_addon.tito_errors import BadRequest
 
 
@@ -303,6 +303,20 @@ def test_the_fast_path_answers_for_compact_bodies(monkeypatch) -> None:
     body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
     monkeypatch.setattr("tito_addon.protocols.json_body._parse_strict", lambda body: pytest.fail("fell back"))
     assert _same(parse_json_object(body), obj)
+
+
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+def test_the_fast_path_answers_for_every_client_style(separators, ensure_ascii, monkeypatch) -> None:
+    """Spaced with ASCII escapes as Python's `json.dumps` writes for requests and aiohttp, and the other Python
+    choices: each is read by orjson and proved by writing it back in its own style, with the style named."""
+    messages = [{"role": "tool", "content": f'{i}: {{"ok": true}}\n\té\u2028😀 \x7f'} for i in range(50)]
+    obj = {"model": "m", "messages": messages, "temperature": 0.7, "seed": -(2**63), "top": 2**64 - 1}
+    body = json.dumps(obj, separators=separators, ensure_ascii=ensure_ascii).encode()
+    monkeypatch.setattr("tito_addon.protocols.json_body._parse_strict", lambda body: pytest.fail("fell back"))
+    parsed, style = read_json_object(body)
+    assert _same(parsed, obj)
+    assert style is not None and style.item_separator == separators[0].encode() and style.dumps(parsed) == body
 
 
 def test_compact_bodies_with_a_duplicate_key_still_get_the_strict_message() -> None:

@@ -10,11 +10,20 @@ byte for byte. That proves the strict parse would return the same object: the bo
 duplicate), only numbers orjson read exactly (an integer outside 64 bits comes back written as a float, so differs),
 no `NaN`, at most 254 levels (orjson writes no deeper), and strings both parsers read alike. Anything else, and any
 body orjson refuses, goes to the strict parse, which stays the reference and gives today's answer.
+
+Not every client writes compact JSON: Python's `json.dumps`, which requests and aiohttp use, puts a space after each
+`,` and `:` and escapes every non-ASCII character. The same proof holds for any writer whose output is compared byte
+for byte, so a body is read fast when one of the known `JsonStyle`s writes its orjson reading back exactly, and the
+style is returned with the object: the request memo finds the end of the messages, and reads what a later body
+appends, in the style its client writes.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -52,11 +61,48 @@ def _parse_strict(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def _looks_compact(body: bytes) -> bool:
-    """Whether orjson may write `body` back byte for byte; a spaced body (Python's `json.dumps`) would only pay for
-    a parse that is thrown away. A guess from the first key, so it costs speed when wrong, never correctness."""
+@dataclass(frozen=True, slots=True)
+class JsonStyle:
+    """How one kind of client writes JSON: its separators, and a writer that gives its bytes for a parsed object."""
+
+    name: str
+    item_separator: bytes  # between array items and between object members
+    key_separator: bytes  # between a key and its value
+    write: Callable[[Any], bytes]
+
+    def dumps(self, obj: Any) -> bytes | None:
+        """`obj` as this style writes it, or None where it cannot (an integer beyond 64 bits, a lone surrogate)."""
+        try:
+            return self.write(obj)
+        except (TypeError, ValueError, RecursionError):  # orjson.JSONEncodeError is a TypeError
+            return None
+
+
+def _python_writer(*, ensure_ascii: bool, separators: tuple[str, str]) -> Callable[[Any], bytes]:
+    dumps = partial(json.dumps, ensure_ascii=ensure_ascii, separators=separators)
+    return lambda obj: dumps(obj).encode()
+
+
+COMPACT = JsonStyle("compact", b",", b":", orjson.dumps)  # openai-python, httpx, Node, serde_json: UTF-8 as is
+COMPACT_ASCII = JsonStyle("compact-ascii", b",", b":", _python_writer(ensure_ascii=True, separators=(",", ":")))
+SPACED_ASCII = JsonStyle("spaced-ascii", b", ", b": ", _python_writer(ensure_ascii=True, separators=(", ", ": ")))
+SPACED = JsonStyle("spaced", b", ", b": ", _python_writer(ensure_ascii=False, separators=(", ", ": ")))
+
+
+def _styles_to_try(body: bytes) -> tuple[JsonStyle, ...]:
+    """The styles that may write `body` back, likeliest first, guessed from the separator after the first key and
+    whether the body is ASCII. A wrong guess costs a write, never correctness."""
+    if body[:2] != b'{"':
+        return ()
     end = body.find(b'"', 2)
-    return body[:2] == b'{"' and body[end + 1 : end + 2] == b":" and body[end + 2 : end + 3] != b" "
+    if body[end + 1 : end + 2] != b":":
+        return ()
+    spaced = body[end + 2 : end + 3] == b" "
+    if not body.isascii():
+        return (SPACED,) if spaced else (COMPACT,)
+    if spaced:
+        return (SPACED_ASCII,)  # an ASCII body without escapes is also what SPACED writes: one test serves both
+    return (COMPACT, COMPACT_ASCII) if b"\\u" in body else (COMPACT,)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -64,17 +110,20 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return read_json_object(body)[0]
 
 
-def read_json_object(body: bytes) -> tuple[dict[str, Any], bool]:
-    """The body's JSON object, and whether the body is exactly `orjson.dumps` of it (so each member's bytes are
-    its own `orjson.dumps`, which `known_requests` relies on to find where the messages end)."""
-    if _looks_compact(body):
+def read_json_object(body: bytes) -> tuple[dict[str, Any], JsonStyle | None]:
+    """The body's JSON object, and the style that writes it back exactly (None: none does), so that each member's
+    bytes are its own encoding in that style, which `known_requests` relies on to find where the messages end."""
+    styles = _styles_to_try(body)
+    if styles:
         try:
             obj = orjson.loads(body)
-            if type(obj) is dict and orjson.dumps(obj) == body:
-                return obj, True
         except Exception:  # whatever orjson refuses, the strict parse decides, with today's message
-            pass
-    return _parse_strict(body), False
+            obj = None
+        if type(obj) is dict:
+            for style in styles:
+                if style.dumps(obj) == body:
+                    return obj, style
+    return _parse_strict(body), None
 
 
 def _is_branch_label(part: Any) -> bool:

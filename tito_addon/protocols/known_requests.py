@@ -7,11 +7,12 @@ is read as: the members and messages of the known request, then a parse of only 
 parsing the whole body gives, because a JSON parse of a prefix is determined by its bytes; one `startswith` (a
 memcmp) proves the prefix.
 
-Only bodies that are exactly `orjson.dumps` of their object are remembered (`json_body.read_json_object`), so a
-member's bytes are its own encoding and the end of the messages is computed, not searched. The rest of a hit is held
-to the same standard: the appended part must be exactly `orjson.dumps` of what it parsed to (no duplicate key, no
-inexact number) and may not repeat a member sent before the messages, or the whole body is parsed the strict way
-and refused as it always was.
+Only bodies that one `JsonStyle` writes back exactly from their object are remembered (`json_body.read_json_object`:
+compact as orjson and Node write, or spaced as Python's `json.dumps` does for requests and aiohttp), so a member's
+bytes are its own encoding in that style and the end of the messages is computed, not searched. The rest of a hit is
+held to the same standard: the appended part must be exactly what the known request's style writes for what it
+parsed to (no duplicate key, no inexact number) and may not repeat a member sent before the messages, or the whole
+body is parsed the strict way and refused as it always was.
 
 Finding the known request costs no parse either: each is indexed by the 64 bytes before the last multiple of 4 KiB
 at or under its end, and a body looks up those offsets from its end down. Requests under 8 KiB are parsed whole:
@@ -32,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from tito_addon.protocols.json_body import read_json_object
+from tito_addon.protocols.json_body import COMPACT, JsonStyle, read_json_object
 
 STEP = 4096
 ANCHOR = 64
@@ -46,6 +47,7 @@ ENTRY_OVERHEAD = 1024  # the entry, its index slot and its tuples' headers
 @dataclass(slots=True, eq=False)
 class KnownRequest:
     prefix: memoryview  # the body up to the end of its last message (or of one before it)
+    style: JsonStyle  # how its client writes JSON: what it appends next is read in the same style
     before: dict[str, Any]  # the members sent before the messages, as parsed
     raw_messages: tuple[Any, ...]
     state: Any  # what the protocol keeps of reading these messages (for chat: each one validated)
@@ -77,10 +79,21 @@ def anchor_of(body: bytes, end: int) -> tuple[int, bytes]:
     return at, body[at - ANCHOR : at]
 
 
-def messages_end(body: bytes, opening: bytes, before: dict[str, Any], encodings: list[bytes]) -> int | None:
+def opening_of(member: str, style: JsonStyle) -> bytes:
+    """The bytes that open the array `member` in `style`: `"messages":[` or `"messages": [`."""
+    return orjson.dumps(member) + style.key_separator + b"["
+
+
+def messages_end(
+    body: bytes, member: str, style: JsonStyle, before: dict[str, Any], encodings: list[bytes]
+) -> int | None:
     """Where the messages array of an exact body closes (its `]`), from the encodings of what precedes it."""
-    start = len(orjson.dumps(before)) - 1 + (1 if before else 0) + len(opening)
-    end = start + sum(map(len, encodings)) + max(len(encodings) - 1, 0)
+    written = style.dumps(before)
+    if written is None:
+        return None
+    opening = opening_of(member, style)
+    start = len(written) - 1 + (len(style.item_separator) if before else 0) + len(opening)
+    end = start + sum(map(len, encodings)) + max(len(encodings) - 1, 0) * len(style.item_separator)
     if body[start - len(opening) : start] != opening or body[end : end + 1] != b"]":
         return None
     return end
@@ -91,7 +104,6 @@ class KnownRequests:
         """`member`: the request's array of messages (`input` for OpenAI Responses)."""
         self.budget_bytes = budget_bytes
         self.member = member
-        self.opening = orjson.dumps(member) + b":["
         self.min_prefix = max(min_prefix, 2 * ANCHOR)
         self.used_bytes = 0
         self.hits = 0
@@ -101,14 +113,14 @@ class KnownRequests:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def read(self, body: bytes) -> tuple[dict[str, Any], bool, Extension | None]:
-        """`body`'s JSON object, whether the body is exactly `orjson.dumps` of it (only such are remembered), and the
-        known request it extends (None: it was parsed whole, by `json_body`'s rules)."""
+    def read(self, body: bytes) -> tuple[dict[str, Any], JsonStyle | None, Extension | None]:
+        """`body`'s JSON object, the style that writes it back exactly (None: none does, and it is not remembered),
+        and the known request it extends (None: it was parsed whole, by `json_body`'s rules)."""
         extension = self.extend(body)
         if extension is not None:
-            return extension.obj, True, extension
-        obj, exact = read_json_object(body)
-        return obj, exact, None
+            return extension.obj, extension.known.style, extension
+        obj, style = read_json_object(body)
+        return obj, style, None
 
     def extend(self, body: bytes) -> Extension | None:
         """`body` read as a known request plus what follows it, or None (then parse it all)."""
@@ -147,46 +159,55 @@ class KnownRequests:
         body: bytes,
         obj: dict[str, Any],
         state: Any,
-        encodings: list[bytes | None],
+        style: JsonStyle,
         extended: Extension | None,
         cut: Callable[[int], Any] | None = None,
+        compact: list[bytes | None] | None = None,
     ) -> None:
-        """Keep an exact body read as `obj`, with the protocol's `state` of reading its messages; `encodings` are
-        those of the messages after the `extended` known request's (all of them when there was none).
+        """Keep a body that `style` writes back exactly, read as `obj`, with the protocol's `state` of reading its
+        messages. `compact`: the protocol's own orjson encodings of the messages after the `extended` known
+        request's (all of them when there was none), taken as they are where the body is compact.
 
         `cut(n)`: the state of reading the first n messages, where the protocol can give it: the body is then also
         known up to the end of each of the two messages before the last, since an agent may change its last message
         on the next turn (Claude Code moves its `cache_control` marker to the newest block every request)."""
-        if any(encoded is None for encoded in encodings):
-            return
         raw_messages = obj[self.member]
+        new = raw_messages[len(extended.known.raw_messages) :] if extended is not None else raw_messages
+        encodings = compact if compact is not None and style is COMPACT else [style.dumps(m) for m in new]
+        if len(encodings) != len(new) or any(encoded is None for encoded in encodings):
+            return
         if extended is None:
             before: dict[str, Any] = {}
             for name, value in obj.items():
                 if name == self.member:
                     break
                 before[name] = value
-            end = messages_end(body, self.opening, before, encodings)  # type: ignore[arg-type]
+            end = messages_end(body, self.member, style, before, encodings)  # type: ignore[arg-type]
             if end is None:
                 return
         elif not encodings:
             return  # the known request again (a retry, another sample): it is remembered already
         else:
             before = extended.known.before
-            end = len(extended.known.prefix) + sum(map(len, encodings)) + len(encodings)  # type: ignore[arg-type]
+            separators = len(encodings) * len(style.item_separator)
+            end = len(extended.known.prefix) + sum(map(len, encodings)) + separators  # type: ignore[arg-type]
         if end < self.min_prefix or body[end : end + 1] != b"]":
             return
         view = memoryview(body)
         group = [False]
-        self._add(KnownRequest(view[:end], before, tuple(raw_messages), state, anchor_of(body, end), 3, group))
+        whole = KnownRequest(view[:end], style, before, tuple(raw_messages), state, anchor_of(body, end), 3, group)
+        self._add(whole)
+        if cut is None:
+            return
         count = len(raw_messages)
-        for encoded in reversed(encodings[-CUTS:] if cut is not None else []):
-            end -= len(encoded) + 1  # type: ignore[arg-type]
+        separator = style.item_separator
+        for encoded in reversed(encodings[-CUTS:]):
+            end -= len(encoded) + len(separator)  # type: ignore[arg-type]
             count -= 1
-            if count < 1 or end < self.min_prefix or body[end : end + 1] != b",":
+            if count < 1 or end < self.min_prefix or body[end : end + len(separator)] != separator:
                 break
             shorter = tuple(raw_messages[:count])
-            self._add(KnownRequest(view[:end], before, shorter, cut(count), anchor_of(body, end), 1, group))
+            self._add(KnownRequest(view[:end], style, before, shorter, cut(count), anchor_of(body, end), 1, group))
 
     def _add(self, known: KnownRequest) -> None:
         if known.footprint > self.budget_bytes:
@@ -219,13 +240,17 @@ class KnownRequests:
 
 def _read_rest(body: bytes, known: KnownRequest, member: str) -> Extension | None:
     end = len(known.prefix)
+    separator = known.style.item_separator
     comma = body[end] == 0x2C
-    text = b"{" + orjson.dumps(member) + b":[" + (body[end + 1 :] if comma else body[end:])  # a message, or `]`
+    if comma and body[end : end + len(separator)] != separator:
+        return None
+    # A message, or `]`, then the members after the messages, read as one object in the known request's style.
+    text = b"{" + opening_of(member, known.style) + (body[end + len(separator) :] if comma else body[end:])
     try:
         tail = orjson.loads(text)
-        if type(tail) is not dict or orjson.dumps(tail) != text:
-            return None
     except Exception:  # whatever orjson refuses, the strict parse of the whole body decides
+        return None
+    if type(tail) is not dict or known.style.dumps(tail) != text:
         return None
     appended = tail[member]
     if comma and not appended:

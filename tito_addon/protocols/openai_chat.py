@@ -113,7 +113,7 @@ class ChatCompletionsApi:
 
     def parse_request(self, body: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         """The validated request, and the JSON object it was validated from (forwarded without a re-dump)."""
-        obj, exact, extension = self.known_requests.read(body)
+        obj, style, extension = self.known_requests.read(body)
         prior: tuple[ChatMessage, ...] = extension.known.state if extension is not None else ()
         raw_messages = obj.get("messages")
         if type(raw_messages) is not list or not raw_messages:
@@ -127,9 +127,9 @@ class ChatCompletionsApi:
         for encoded, raw, known, message in zip(encodings, new, found[len(prior) :], appended, strict=True):
             if known is None:
                 memo.remember(encoded, raw, message)
-        if exact:
+        if style is not None:
             state = tuple(request.messages)
-            self.known_requests.remember(body, obj, state, encodings, extension, lambda n: state[:n])
+            self.known_requests.remember(body, obj, state, style, extension, lambda n: state[:n], compact=encodings)
         return request, obj
 
     def parse(self, body: bytes, action: str = "turn", route: Route | None = None) -> AgentRequest:

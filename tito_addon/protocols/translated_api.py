@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
-
 from tito_addon.canonical_chat import BoundedRequest, ChatMessage, ChatRequest
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
@@ -175,7 +173,7 @@ class TranslatedApi[T: ChatTranslation]:
         return Route(self, action, match.group("sid"), match.group("prefix") + "/v1/chat/completions")  # type: ignore[arg-type]
 
     def parse(self, body: bytes, action: str = "turn", route: Route | None = None) -> AgentRequest:
-        raw, exact, extension = self.known_requests.read(body)
+        raw, style, extension = self.known_requests.read(body)
         request, appended, prior = self._validated(raw, extension)
         self.check(request, action)
         translation, items = self.begin(request, raw)
@@ -207,8 +205,9 @@ class TranslatedApi[T: ChatTranslation]:
         )
         # A served compaction's reading holds the instruction the proxy added, and a cut one has lost messages: no
         # other request may take either.
-        if exact and type(native) is list and translation.compacts is None and translation.cut_at is None:
-            self._remember(body, raw, *self.reading(translation, chat.messages[leading:], leading, offset), extension)
+        if style is not None and type(native) is list and translation.compacts is None and translation.cut_at is None:
+            state, reading_of = self.reading(translation, chat.messages[leading:], leading, offset)
+            self.known_requests.remember(body, raw, state, style, extension, reading_of)
         return AgentRequest(
             chat=chat,
             chat_body=chat_body,
@@ -245,22 +244,6 @@ class TranslatedApi[T: ChatTranslation]:
             raise self.refusal(raw, refused) from None
         whole = getattr(request, self.member)
         return request, whole if isinstance(whole, list) else [], None
-
-    def _remember(
-        self,
-        body: bytes,
-        raw: dict[str, Any],
-        state: Any,
-        cut: Callable[[int], Any] | None,
-        extension: Extension | None,
-    ) -> None:
-        """Keep this exact request with the reading of its items, so that one extending it translates only its own."""
-        start = len(extension.known.raw_messages) if extension is not None else 0
-        try:
-            encodings = [orjson.dumps(item) for item in raw[self.member][start:]]
-        except (TypeError, orjson.JSONEncodeError):
-            return
-        self.known_requests.remember(body, raw, state, encodings, extension, cut)  # type: ignore[arg-type]
 
     def copy_sampling(self, request: Any, chat_body: dict[str, Any]) -> None:
         for chat_name, name in self.sampling.items():
