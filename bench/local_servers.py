@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from zero_latency_backend import LAST_IDS_BODY, Reply
 from zero_latency_backend import start as start_backend
 
 from tito_addon.replicas.proxy_process import LISTEN
@@ -20,19 +21,23 @@ REPO = Path(__file__).resolve().parents[1]
 class Backend:
     """`bench/zero_latency_backend.py` on its own event loop, in a thread of this process (`parse`: see there)."""
 
-    def __init__(self, parse: str = "orjson") -> None:
+    def __init__(self, parse: str = "orjson", reply: Reply | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            self.runner, self.port = self.loop.run_until_complete(start_backend(parse=parse))
+            self.runner, self.port = self.loop.run_until_complete(start_backend(parse=parse, reply=reply))
             ready.set()
             self.loop.run_forever()
 
         threading.Thread(target=run, daemon=True).start()
         ready.wait(30)
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def last_ids_body(self) -> bytes:
+        """The bytes of the last request that carried prompt ids (the addon's, when it was the last to send)."""
+        return self.runner.app[LAST_IDS_BODY][0]
 
 
 class BackendProcess:

@@ -310,3 +310,15 @@ def p3(sessions: int = 1000, tokens_per_session: int = 20_000, turns: int = 20) 
     tracemalloc.stop()
     total = sessions * turns * 2 * len(ids)
     return {"sessions": sessions, "tokens": total, "bytes": used, "bytes_per_token": used / total}
+
+
+def added_at(measured: dict[str, list[float]], turn: int) -> dict[str, float]:
+    """The medians around `turn`: the addon's, plain mitmdump's on each baseline, and the addon's time over each."""
+    addon = window(measured["addon"], turn)
+    out = {"addon_ms": statistics.median(addon) * 1e3}
+    for baseline, name in (("plain", "added_ms"), ("messages", "added_vs_messages_ms")):
+        if measured.get(baseline):
+            other = window(measured[baseline], turn)
+            out[f"{baseline}_ms"] = statistics.median(other) * 1e3
+            out[name] = statistics.median(a - b for a, b in zip(addon, other, strict=True)) * 1e3
+    return out

@@ -8,7 +8,8 @@ Older servers silently ignore `input_ids`. `input_ids` and the `prompt_token_ids
 so the server's version, asked once, says whether it honours our ids; the full echo is then verified on the first
 turn to each backend (and on every turn where the version is unknown, or when asked to), while every turn checks
 the prompt length the server counted. Echoing a 150k-id prompt back on every turn cost more than everything else
-the proxy does for that turn.
+the proxy does for that turn. A streamed turn keeps the same rule: the server's `sglext` block carries the input ids
+only on the turns that would ask for the echo, and the usage chunk's prompt length is checked on every one.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ def metadata_weight_version(body: dict[str, Any]) -> str | None:
     return weight_version_of(metadata.get("weight_version")) if isinstance(metadata, dict) else None
 
 
+def with_input_ids(body: dict[str, Any], turn: BackendTurn) -> list[bytes]:
+    """`body` as JSON with the prompt's ids spliced in as their ready text, in pieces, whole turn or streamed: they are
+    sent as they are kept (see `PromptIds.json_pieces`), never listed, re-encoded or joined into one copy of a ~1 MB
+    prompt."""
+    head = dumps(body)  # (which holds no `input_ids` of the agent's: both callers drop them)
+    return [head[:-1] + (b',"input_ids":[' if len(head) > 2 else b'"input_ids":['), *turn.prompt.json_pieces, b"]}"]
+
+
+def check_counted(counted: Any, turn: BackendTurn) -> None:
+    """The prompt length the server counted, where it said one, is the number of ids it was sent."""
+    if counted is not None and counted != len(turn.prompt):
+        raise UpstreamMalformed(
+            f"backend counted {counted!r} prompt tokens for the {len(turn.prompt)} ids it was sent: it did not "
+            "generate from our ids; nothing was recorded"
+        )
+
+
 class SglangBackend:
     kind = "sglang"
 
@@ -98,30 +116,31 @@ class SglangBackend:
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
         """A streamed chat completion on our `input_ids`; the ids it ran on and produced arrive in the final
         sglext block, the logprobs chunk by chunk."""
-        body = self.agent_fields(turn, ("stream_options", "return_meta_info"))
-        body.update(
-            input_ids=turn.prompt_ids,
-            logprobs=True,
-            stream=True,
-            stream_options={"include_usage": True},
-            return_input_ids_in_sglext=True,
-            return_output_ids_in_sglext=True,
-        )
+        echo = await self.must_echo(turn)
+        dropped = ("stream_options", "return_meta_info", "return_input_ids_in_sglext", "input_ids")
+        body = self.agent_fields(turn, dropped)
+        body.update(logprobs=True, stream=True, stream_options={"include_usage": True})
+        body["return_output_ids_in_sglext"] = True
+        if echo:
+            body["return_input_ids_in_sglext"] = True
         body.pop("return_prompt_token_ids", None)
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         values: list[Any] = []
         accumulated = MessageAccumulator()
         finish: str | None = None
         sglext: dict[str, Any] | None = None
+        counted: Any = None
         weight: str | None = None
         base: dict[str, Any] = {}
-        events = self.client.sse_events(turn.base_url + turn.chat_path, body, turn.headers)
+        events = self.client.sse_events(turn.base_url + turn.chat_path, with_input_ids(body, turn), turn.headers)
         try:
             async for event in events:
                 if "error" in event:
                     raise UpstreamMalformed(f"sglang stream failed: {str(event['error'])[:300]}")
                 if isinstance(event.get("sglext"), dict):
                     sglext = event["sglext"]
+                if isinstance(event.get("usage"), dict):
+                    counted = event["usage"].get("prompt_tokens", counted)
                 weight = metadata_weight_version(event) or weight
                 base = base or {k: event.get(k) for k in ("id", "object", "created", "model")}
                 parts = []
@@ -146,8 +165,17 @@ class SglangBackend:
             await events.aclose()
         if sglext is None:
             raise UpstreamMalformed("sglang streamed no sglext ids block (0.5.20+ sends one when asked)")
-        if sglext.get("input_ids") != turn.prompt_ids:
+        echoed = sglext.get("input_ids")
+        if echoed is None and echo:
+            raise UpstreamMalformed(
+                "sglang streamed no input ids in its sglext block, so it cannot be shown to have generated from our "
+                "ids; nothing was recorded"
+            )
+        if echoed is not None and echoed != turn.prompt_ids:
             raise UpstreamMalformed("sglang generated from different prompt ids than it was sent; nothing was recorded")
+        check_counted(counted, turn)
+        if echo:
+            self._echo_verified.add(turn.base_url)
         outputs = sglext.get("output_ids")
         completion_ids = checked_ids(outputs[0] if isinstance(outputs, list) and outputs else None, "output ids")
         logprobs = checked_logprobs(values, len(completion_ids))
@@ -171,8 +199,7 @@ class SglangBackend:
     def upstream_payload(self, turn: BackendTurn, echo: bool = True) -> list[bytes]:
         """The request body in pieces: the prompt's ids go in as their ready JSON text, sent as they are kept
         (see `PromptIds.json_pieces`) instead of being re-encoded or joined into one copy of a ~1 MB prompt."""
-        head = dumps(self.upstream_body(turn, echo))
-        return [head[:-1] + b',"input_ids":[', *turn.prompt.json_pieces, b"]}"]
+        return with_input_ids(self.upstream_body(turn, echo), turn)
 
     async def must_echo(self, turn: BackendTurn) -> bool:
         """Whether this turn asks the server to echo its prompt ids (see the module docstring)."""
@@ -228,11 +255,7 @@ class SglangBackend:
         counted = meta.get("prompt_tokens")
         if counted is None and isinstance(body.get("usage"), dict):
             counted = body["usage"].get("prompt_tokens")
-        if counted is not None and counted != len(turn.prompt):
-            raise UpstreamMalformed(
-                f"backend counted {counted!r} prompt tokens for the {len(turn.prompt)} ids it was sent: it did not "
-                "generate from our ids; nothing was recorded"
-            )
+        check_counted(counted, turn)
         entries = meta.get("output_token_logprobs")
         if not isinstance(entries, list) or not entries:
             raise UpstreamMalformed("backend answered without meta_info.output_token_logprobs")

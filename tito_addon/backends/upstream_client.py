@@ -76,16 +76,18 @@ class UpstreamClient:
             raise _unavailable(exc, url) from exc
 
     async def sse_events(
-        self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self, url: str, body: Mapping[str, Any] | bytes | Sequence[bytes], headers: Mapping[str, str]
     ) -> AsyncIterator[dict[str, Any]]:
-        """POST, then yield each JSON `data:` event of the SSE answer until `[DONE]`.
+        """POST, then yield each JSON `data:` event of the SSE answer until `[DONE]`. `body`: an object, or its JSON
+        already encoded, whole or in pieces (as `post_bytes` sends them).
 
         A non-200 answer raises UpstreamPassthrough before anything is yielded. Closing the generator closes
         the upstream connection, which is how a disconnected agent cancels its generation."""
         try:
             # No total limit on a stream: the limit is on silence (until the head, then between two reads).
             async with asyncio.timeout(self.timeout_s):
-                exchange = await self._pool.send("POST", url, headers, dumps(body), _JSON_STREAM)
+                payload = dumps(body) if isinstance(body, Mapping) else body
+                exchange = await self._pool.send("POST", url, headers, payload, _JSON_STREAM)
             async with exchange:
                 if exchange.status != 200:
                     async with asyncio.timeout(self.timeout_s):

@@ -167,13 +167,15 @@ class SglangBodies:
             else:
                 lps[len(lps) // 2][0] = math.nan
 
-    async def _stream(self, request: web.Request, body: dict[str, Any], gen: Generation) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], gen: Generation, fault: str | None = None
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
         framed = request.headers.get("x-sglext-ids-framed") == "1"
-        for event in self._stream_events(body, gen, request):
+        for event in self._stream_events(body, gen, request, fault):
             if isinstance(event, tuple):
                 name, payload = event
                 data = (
@@ -189,8 +191,10 @@ class SglangBodies:
         return resp
 
     def _stream_events(
-        self, body: dict[str, Any], gen: Generation, request: web.Request
+        self, body: dict[str, Any], gen: Generation, request: web.Request, fault: str | None = None
     ) -> Iterator[dict[str, Any] | tuple[str, dict[str, Any]]]:
+        """The stream's events; of the body faults, a stream has the two about its prompt (ids echoed wrong in the
+        sglext block, or a prompt length counted wrong in the usage chunk)."""
         want_logprobs = truthy(body.get("logprobs"))
         top_n = body.get("top_logprobs") if isinstance(body.get("top_logprobs"), int) else 0
 
@@ -259,6 +263,9 @@ class SglangBodies:
                     yield chunk(delta)
         yield chunk({}, lp_from, len(gen.completion_ids), finish=gen.finish)
         ext = self._sglext(body, request, gen)
+        if fault == "wrong_prompt_ids" and "input_ids" in ext:
+            ids = ext["input_ids"]
+            ids[-1] = ids[-1] + 1 if ids[-1] + 1 < self.tokenizer.size else ids[-1] - 1
         if ext:
             yield (
                 "sglext_ids",
@@ -273,11 +280,14 @@ class SglangBodies:
             )
         opts = body.get("stream_options")
         if isinstance(opts, dict) and truthy(opts.get("include_usage")):
+            usage = self._usage(gen)
+            if fault == "wrong_prompt_tokens":
+                usage["prompt_tokens"] += 1
             yield {
                 "id": gen.rid,
                 "object": "chat.completion.chunk",
                 "created": gen.created,
                 "model": gen.model,
                 "choices": [],
-                "usage": self._usage(gen),
+                "usage": usage,
             }

@@ -260,7 +260,7 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             )
 
         if stream:
-            return await self._stream(request, body, gen)
+            return await self._stream(request, body, gen, fault)
         out = self._response_body(body, gen, request)
         if fault is not None:
             self._apply_body_fault(out, gen, fault)
