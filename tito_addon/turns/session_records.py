@@ -178,9 +178,9 @@ class SessionRecords:
         self._closed(await self.sessions.sweep())
 
     async def sweep_inline(self) -> None:
-        """Where sweeping costs nothing (this process's own sessions) every turn sweeps, before it and after its
-        commit (a new session may have taken the sessions past their capacity); a shared store is swept only
-        periodically."""
+        """Where sweeping costs nothing (this process's own sessions) every turn sweeps as it begins, and a turn that
+        began a tree once more after its commit (a new session may have taken the sessions past their capacity); a
+        shared store is swept only periodically."""
         if self.sessions.sweeps_inline:
             await self.sweep()
 

@@ -7,17 +7,28 @@ outcome to the agent.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tito_addon.backends.backend_protocol import BackendResult, BackendTurn
+from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.protocols.agent_api import Responder, TurnOutcome
 from tito_addon.sessions.session_space import Claim
 from tito_addon.turns.session_records import SessionRecords
-from tito_addon.turns.turn_record import CompletedTurn
+from tito_addon.turns.turn_record import CompletedTurn, completed_turn
 from tito_addon.turns.turn_replies import matched_stop
 from tito_addon.turns.turn_types import PreparedTurn
+
+
+@dataclass(frozen=True, slots=True)
+class LineContext:
+    """What a turn's record line takes from the service and the agent's request beside the turn itself."""
+
+    engine: TokenEngine
+    backend_kind: str
+    request_id: str | None
+    record_message_text: bool
 
 
 @dataclass
@@ -27,21 +38,35 @@ class TurnRun:
     responder: Responder
     backend_turn: BackendTurn
     sessions: SessionRecords
-    # The turn's record line for the backend's result and its cut budget, once its session and turn id are settled.
-    record: Callable[[BackendResult, dict | None, str, int], CompletedTurn]
+    line: LineContext
     budget: dict | None = None  # the completion budget as cut to the backend's context, when it was
     released: bool = False
+
+    def completed(self, result: BackendResult, session_id: str, turn_id: int) -> CompletedTurn:
+        """The turn's record line for the backend's result, once the sessions settled its session and turn id."""
+        line = self.line
+        return completed_turn(
+            self.prepared,
+            result,
+            line.engine,
+            line.backend_kind,
+            session_id=session_id,
+            turn_id=turn_id,
+            request_id=line.request_id,
+            reply_id=self.responder.reply_id,
+            record_message_text=line.record_message_text,
+            completion_budget=self.budget,
+        )
 
     async def finish(self, result: BackendResult) -> tuple[dict[str, Any], TurnOutcome]:
         """Commit a turn the backend completed; the flow metadata that describes it, and what the agent gets."""
         prepared = self.prepared
         result.message = self.responder.adapt(result.message)
-        budget = self.budget
-        node, done = await self.sessions.commit(
-            self.claim, lambda sid, turn: self.record(result, budget, sid, turn), prepared.link_scope
-        )
+        node, done = await self.sessions.commit(self.claim, partial(self.completed, result), prepared.link_scope)
         prepared.prompt.remember(node, result.completion_ids)
-        await self.sessions.sweep_inline()
+        if node.parent is None:
+            # A new tree may have taken the sessions past their capacity; idle ones were swept as the turn began.
+            await self.sessions.sweep_inline()
         metadata = {
             "session_id": node.session.session_id,
             "turn_id": node.turn_id,

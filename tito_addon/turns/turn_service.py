@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from urllib.parse import unquote
 
-from tito_addon.backends.backend_protocol import Backend, BackendResult, BackendTurn
+from tito_addon.backends.backend_protocol import Backend, BackendTurn
 from tito_addon.backends.upstream_headers import forwarded_headers
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
@@ -37,9 +37,8 @@ from tito_addon.turns.completion_budget import fit_completion_budget
 from tito_addon.turns.episode_places import EpisodePlace, Follows, continuation_place, interrupted_call
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.session_records import SessionRecords
-from tito_addon.turns.turn_record import CompletedTurn, completed_turn
 from tito_addon.turns.turn_replies import error_reply
-from tito_addon.turns.turn_run import TurnRun
+from tito_addon.turns.turn_run import LineContext, TurnRun
 from tito_addon.turns.turn_types import ParsedRequest, PreparedTurn
 
 logger = logging.getLogger(__name__)
@@ -320,24 +319,9 @@ class TurnService:
         except BaseException:
             await self.sessions.release(claim)
             raise
-        request_id = headers.get("x-request-id")
-
-        def record(result: BackendResult, budget: dict | None, session_id: str, turn_id: int) -> CompletedTurn:
-            return completed_turn(
-                prepared,
-                result,
-                self.engine,
-                self.backend.kind,
-                session_id=session_id,
-                turn_id=turn_id,
-                request_id=request_id,
-                reply_id=responder.reply_id,
-                record_message_text=self.record_message_text,
-                completion_budget=budget,
-            )
-
+        line = LineContext(self.engine, self.backend.kind, headers.get("x-request-id"), self.record_message_text)
         backend_turn = self.backend_turn(prepared, headers, base_url)
-        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, record)
+        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, line)
 
     async def fit(self, run: TurnRun) -> None:
         """Cut the turn's completion budget to what the backend's context leaves after the prompt (asked of the
