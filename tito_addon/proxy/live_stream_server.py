@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,18 +95,20 @@ class LiveStreamServer:
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=stream.headers)
         chunks = stream.chunks()
+        batches = ready_batches(chunks)
         try:
             await response.prepare(request)
-            async for chunk in chunks:
+            async for batch in batches:
                 if stream.metadata:
                     on_commit(stream.metadata)
-                await response.write(chunk)
+                await response.write(batch)
             await response.write_eof()
         except (ConnectionError, RuntimeError):
             # The agent (through mitmproxy) is gone: stop generating; an uncommitted turn stays unrecorded.
             self.disconnects += 1
             logger.info("tito: agent disconnected mid-stream; upstream request cancelled")
         finally:
+            await batches.aclose()
             await _close(chunks)
             await stream.aclose()  # a relay that failed before its first chunk never ran the chunks' own close
         return response
@@ -120,6 +122,33 @@ class LiveStreamServer:
             await self._runner.cleanup()
             self._runner = None
             self.port = None
+
+
+async def ready_batches(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    """The chunks joined as they are ready together: a chunk is held only while the next one comes without waiting
+    (the rest of an upstream read), so a token is never delayed, and mitmproxy relays one HTTP chunk, not a dozen,
+    for what the backend sent at once (each costs it a pass through its layers)."""
+    held: list[bytes] = []
+    following: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            following = asyncio.ensure_future(anext(chunks))
+            if held and not following.done():
+                await asyncio.sleep(0)  # one step for the next chunk: done, unless it waits for the backend
+                if not following.done():
+                    yield b"".join(held)
+                    held.clear()
+            try:
+                held.append(await following)
+            except StopAsyncIteration:
+                break
+        if held:
+            yield b"".join(held)
+    finally:
+        # Closed early (the agent went away): the pull in flight stops before the chunks are closed.
+        if following is not None and not following.done():
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
 
 
 async def _close(chunks: Any) -> None:
