@@ -5,10 +5,10 @@ from __future__ import annotations
 import gc
 
 import pytest
-from conftest import tokenizer_path
 from mitmproxy import exceptions
 from mitmproxy.proxy.mode_specs import ProxyMode
 from mitmproxy.test import taddons, tflow, tutils
+from support.basics import tokenizer_path
 
 from tito_addon.backends.backend_routes import normalize_backend_url
 from tito_addon.engine import tokenizer_loading

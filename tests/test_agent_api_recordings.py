@@ -5,21 +5,19 @@ in the API the agent asks in (streamed when asked), with no backend."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from test_anthropic_messages import TOOLS as ANTHROPIC_TOOLS
-from test_anthropic_messages import echo as anthropic_echo
-from test_anthropic_messages import tool_results
-from test_openai_responses import echo as responses_echo
-from test_openai_responses import outputs
-from test_replay import replay_proxy
+from support.anthropic_agent import TOOLS as ANTHROPIC_TOOLS
+from support.anthropic_agent import echo as anthropic_echo
+from support.anthropic_agent import tool_results
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump
+from support.responses_agent import echo as responses_echo
+from support.responses_agent import outputs
+from support.tito_commands import replay_proxy, run_cli
 
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import iter_session_files
@@ -96,14 +94,6 @@ def recorded(tmp_path_factory):
     assert [r.stop_reason for r in claude] == ["tool_use", "end_turn"]
     assert len(codex) == 2
     return record_dir, claude, codex, generated
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", *args], cwd=REPO, capture_output=True, text=True, timeout=180
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def test_each_line_is_exactly_what_its_turn_record_writes(recorded) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump, post
-from test_anthropic_messages import TOOLS as ANTHROPIC_TOOLS
+from support.anthropic_agent import TOOLS as ANTHROPIC_TOOLS
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name

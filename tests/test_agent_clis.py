@@ -12,7 +12,7 @@ Command lines (run from a scratch project directory, HOME a scratch directory, n
         codex exec --skip-git-repo-check --json -m qwen3 PROMPT </dev/null
         codex exec --skip-git-repo-check --json -m qwen3 resume --last PROMPT2 </dev/null
 
-The stack (the loopback-only namespace, the pinned CLIs, the steered replica) is tests/agent_cli_stack.py's. Where the
+The stack (the loopback-only namespace, the pinned CLIs, the steered replica) is support/agent_cli_stack.py's. Where the
 namespace is refused, the CLIs' own switches keep them home: the environment above, and Codex's update check,
 analytics and feedback off in its config.toml (agent_cli_stack.CODEX_CONFIG).
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from agent_cli_stack import (  # noqa: F401 - fixtures
+from support.agent_cli_stack import (  # noqa: F401 - fixtures
     CODEX_CONFIG,
     COMMAND,
     MARKER,
@@ -43,8 +43,8 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     steered_replica,
     text_of,
 )
-from conftest import API_KEYS, tokenizer_path
-from proxy_harness import REPO, Mitmdump
+from support.basics import API_KEYS, tokenizer_path
+from support.proxy_harness import REPO, Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 

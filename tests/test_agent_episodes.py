@@ -6,7 +6,7 @@ into one episode (`episode`, `call`, `follows`), and the exported rows, one per 
 the episode's reward on each.
 
 The stack (a loopback-only network namespace, the pinned CLIs, the replica inside the namespace) is
-tests/agent_cli_stack.py's; what the CLIs send in these episodes is measured in the README's "Episodes".
+tests/support/agent_cli_stack.py's; what the CLIs send in these episodes is measured in the README's "Episodes".
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_cli_stack import (  # noqa: F401 - fixtures
+from support.agent_cli_stack import (  # noqa: F401 - fixtures
     CODEX_CONFIG,
     HostLoopback,
     NamespacedReplica,
@@ -28,10 +28,10 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     run_cli,
     text_of,
 )
-from conftest import tokenizer_path
-from proxy_harness import REPO
-from test_anthropic_messages import assert_token_exact
-from test_gemini_recordings import COMPRESSION_MODEL
+from support.basics import tokenizer_path
+from support.gemini_agent import COMPRESSION_MODEL
+from support.proxy_harness import REPO
+from support.token_exact import assert_token_exact
 
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import iter_session_files

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from agent_reads import agent_read
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.agent_reads import agent_read
+from support.basics import examples
 
 from tito_addon.protocols import anthropic_messages
 from tito_addon.protocols.anthropic_messages import AnthropicMessagesApi

@@ -5,29 +5,16 @@ requests, signatures, and errors in Anthropic's own shape."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import anthropic
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import post
+from support.anthropic_agent import TOOLS, echo, tool_results
+from support.basics import tokenizer_path
+from support.proxy_harness import post
+from support.token_exact import assert_token_exact, recorded
 
 from tito_addon.engine.tokenizer_loading import load_tokenizer
-from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.sglang_replica import ReplicaThread
 
-TOOLS = [
-    {
-        "name": "get_weather",
-        "description": "Current weather for a city.",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-    {
-        "name": "get_time",
-        "description": "Local time in a city.",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-]
 IMG = "iVBORw0KGgo="
 SYSTEM = [
     {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=sdk-cli;"},
@@ -37,53 +24,6 @@ SYSTEM = [
 
 def client(proxy, **headers: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-client", default_headers=headers, max_retries=0)
-
-
-def recorded(record_dir: Path) -> list:
-    return [turn for f in iter_session_files(record_dir) for turn in f.turns]
-
-
-def assert_token_exact(record_dir: Path, replica: ReplicaThread, hung_up: int = 0) -> list:
-    """Every recorded turn's ids are what the replica received and generated, and each later turn of a branch
-    starts with its parent's prompt + completion. `hung_up`: how many requests the agent hung up on mid-answer (the
-    proxy logged each; it records none): at most that many of the replica's answers, and only its last ones, are
-    unrecorded."""
-    answered = replica.generated()
-    generated: dict[tuple[int, ...], list[list[int]]] = {}  # a prompt sent twice may be answered twice
-    for g in answered:
-        generated.setdefault(tuple(g["prompt_ids"]), []).append(g["completion_ids"])
-    turns, recorded = [], set()
-    for session_file in iter_session_files(record_dir):
-        ids = session_file.full_ids()
-        ends: dict[int, list[int]] = {}
-        for turn in session_file.turns:
-            prompt, completion = ids[turn.turn_id]
-            assert completion in generated[tuple(prompt)]
-            if turn.parent_turn_id is not None:
-                assert prompt[: len(ends[turn.parent_turn_id])] == ends[turn.parent_turn_id]
-            ends[turn.turn_id] = prompt + completion
-            turns.append(turn)
-            recorded.add((tuple(prompt), tuple(completion)))
-    unrecorded = [
-        i for i, g in enumerate(answered) if (tuple(g["prompt_ids"]), tuple(g["completion_ids"])) not in recorded
-    ]
-    assert len(turns) + len(unrecorded) == len(answered)
-    assert len(unrecorded) <= hung_up and unrecorded == list(range(len(answered) - len(unrecorded), len(answered)))
-    return turns
-
-
-def echo(message) -> dict:
-    """The assistant message as the SDK user sends it back: its content blocks, verbatim."""
-    return {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]}
-
-
-def tool_results(message) -> dict:
-    blocks = [
-        {"type": "tool_result", "tool_use_id": block.id, "content": f"{block.input['city']}: 21 C, sunny"}
-        for block in message.content
-        if block.type == "tool_use"
-    ]
-    return {"role": "user", "content": blocks}
 
 
 def test_tool_loop_and_a_second_user_turn_are_token_exact(proxy, replica) -> None:

@@ -8,9 +8,9 @@ import re
 
 import pytest
 import tokenizers
-from conftest import SHARED, cached_engine, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.basics import SHARED, cached_engine, examples
 
 from tito_addon.engine import ascii_words as module
 from tito_addon.engine.ascii_words import AsciiWords, ascii_words

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from conftest import examples
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.basics import examples
 
 from tito_addon.backends.backend_connections import ConnectFailed, ConnectionPool, HttpError
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamTimeout

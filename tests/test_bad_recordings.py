@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxy_harness import REPO
+from support.proxy_harness import REPO
 
 
 def turn_line(turn_id: int, parent: int | None, added: list[int], prompt_len: int) -> str:

@@ -6,7 +6,7 @@ Codex's, a 400 with the code `session_closed`), sends it once and exits within s
 
 Each CLI names its episode by API key (`sk-tito-EPISODE`, the proxy's `tito_session_api_key_prefix`), as in
 tests/test_agent_clis.py, test_gemini_cli.py and test_opencode_cli.py, whose command lines these are; the stack (the
-loopback-only namespace, the pinned CLIs, the steered replica) is tests/agent_cli_stack.py's. The control API runs
+loopback-only namespace, the pinned CLIs, the steered replica) is support/agent_cli_stack.py's. The control API runs
 inside the namespace, where the proxy is."""
 
 # ruff: noqa: F811 - the stack's fixtures are imported by name and taken as arguments
@@ -21,10 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent_cli_stack import (  # noqa: F401 - fixtures
+from support.agent_cli_stack import (  # noqa: F401 - fixtures
     BACKEND_KEY,
+    BASH_ARGS,
     CODEX_CONFIG,
     COMMAND,
+    GEMINI_SETTINGS,
     KEY_PREFIX,
     NamespacedReplica,
     Network,
@@ -32,12 +34,12 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     base_env,
     namespaced_proxy,
     network,
+    opencode_config,
     run_cli,
+    stub_plugin_install,
 )
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump
-from test_gemini_cli import SETTINGS as GEMINI_SETTINGS
-from test_opencode_cli import BASH_ARGS, opencode_config, stub_plugin_install
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.sglang_replica import ReplicaConfig

@@ -13,8 +13,8 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from test_run_selection import EPISODES, record_run
+from support.basics import tokenizer_path
+from support.proxy_harness import REPO, Mitmdump
+from support.recorded_run import EPISODES, record_run
 
 from tito_addon.client import TitoClient, TitoControlError
 from tito_addon.records.record_reader import read_session

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SHARED, cached_tokenizer, tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from test_proxy_sglang import agent, run_agent
+from support.basics import SHARED, cached_tokenizer, tokenizer_path
+from support.chat_agent import agent, run_agent
+from support.proxy_harness import REPO, Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread

@@ -16,9 +16,10 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO
-from test_anthropic_messages import assert_token_exact, echo
+from support.anthropic_agent import echo
+from support.basics import tokenizer_path
+from support.proxy_harness import REPO
+from support.token_exact import assert_token_exact
 
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import iter_session_files
@@ -469,7 +470,7 @@ def without_ids(items: list[dict]) -> list[dict]:
 def test_an_episode_replays_with_its_compactions_and_sub_agents(proxy, replica, tmp_path: Path) -> None:
     """Offline replay serves a recorded episode to the same agent again: the compaction, the context rebuilt from
     its summary (a served compaction's item included), the sub-agent and the side call, with no backend."""
-    from test_replay import replay_proxy
+    from support.tito_commands import replay_proxy
 
     named = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", default_headers={"x-session-id": "ep-re"},
                                 max_retries=0)  # fmt: skip
@@ -497,7 +498,7 @@ def test_an_episode_replays_with_its_compactions_and_sub_agents(proxy, replica, 
 
 
 def test_redrive_keeps_each_turns_place_in_its_episode(proxy, replica, tmp_path: Path) -> None:
-    from test_redrive import redrive
+    from support.tito_commands import redrive
 
     api = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", default_headers={"x-session-id": "ep-rd"},
                               max_retries=0)  # fmt: skip

@@ -8,9 +8,9 @@ import json
 import math
 
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.basics import examples
 
 from tito_addon.exact_json import dumps_exact
 from tito_addon.records.record_models import dump_line

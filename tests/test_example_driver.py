@@ -24,8 +24,8 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
+from support.basics import tokenizer_path
+from support.proxy_harness import REPO, Mitmdump
 
 from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import iter_session_files

@@ -15,11 +15,11 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from conftest import tokenizer_path
 from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types as genai_types
-from proxy_harness import Mitmdump, post
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
 
 from tito_addon.client import TitoClient, episode_api_key
 from tito_addon.records.record_reader import read_session

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from fleet_agents import GROUP, FleetRun
+from support.basics import tokenizer_path
+from support.fleet_agents import GROUP, FleetRun
 
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import read_session_file

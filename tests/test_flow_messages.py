@@ -5,11 +5,11 @@ and a reply's response is byte for byte what `Response.make` gives."""
 from __future__ import annotations
 
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mitmproxy import http
 from mitmproxy.net.http.http1 import assemble_response
+from support.basics import examples
 
 from tito_addon.protocols.http_reply import HttpReply
 from tito_addon.proxy.flow_messages import folded_headers, reply_response

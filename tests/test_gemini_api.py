@@ -9,21 +9,14 @@ import base64
 import json
 
 import pytest
-from conftest import tokenizer_path
 from google import genai
 from google.genai import errors, types
-from proxy_harness import post
-from test_anthropic_messages import assert_token_exact, recorded
+from support.basics import tokenizer_path
+from support.gemini_agent import THOUGHTS, TOOLS, WEATHER, results
+from support.proxy_harness import post
+from support.token_exact import assert_token_exact, recorded
 
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-
-WEATHER = types.FunctionDeclaration(
-    name="get_weather",
-    description="Current weather for a city.",
-    parameters_json_schema={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-)
-TOOLS = [types.Tool(function_declarations=[WEATHER])]
-THOUGHTS = types.ThinkingConfig(include_thoughts=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +34,6 @@ def client(proxy, version: str = "v1beta") -> genai.Client:
 
 def config(**extra) -> types.GenerateContentConfig:
     return types.GenerateContentConfig(system_instruction="Be brief.", tools=TOOLS, thinking_config=THOUGHTS, **extra)
-
-
-def results(content: types.Content) -> types.Content:
-    parts = [
-        types.Part.from_function_response(name=p.function_call.name, response={"output": "Paris: 21 C, sunny"})
-        for p in content.parts or []
-        if p.function_call is not None
-    ]
-    for part, call in zip(parts, [p.function_call for p in content.parts if p.function_call], strict=True):
-        part.function_response.id = call.id
-    return types.Content(role="user", parts=parts)
 
 
 def test_function_calling_loop_and_a_second_user_turn_are_token_exact(proxy, replica) -> None:

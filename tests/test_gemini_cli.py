@@ -4,7 +4,7 @@ trips through its own shell tool and a resumed session (`--resume latest`) on on
 Command lines (run from a scratch project directory, HOME a scratch directory, nothing else inherited):
 
     GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:PORT GEMINI_API_KEY=KEY GEMINI_SANDBOX=false \
-    GEMINI_CLI_TRUST_WORKSPACE=true (HOME/.gemini/settings.json: SETTINGS below)
+    GEMINI_CLI_TRUST_WORKSPACE=true (HOME/.gemini/settings.json: GEMINI_SETTINGS)
         gemini -p PROMPT -m qwen3 --approval-mode yolo --output-format stream-json
         gemini -p PROMPT2 --resume latest -m qwen3 --approval-mode yolo --output-format stream-json
 
@@ -31,8 +31,9 @@ import json
 from pathlib import Path
 
 import pytest
-from agent_cli_stack import (  # noqa: F401 - fixtures
+from support.agent_cli_stack import (  # noqa: F401 - fixtures
     COMMAND,
+    GEMINI_SETTINGS,
     KEY_PREFIX,
     MARKER,
     TOOL_ROUNDS,
@@ -49,8 +50,8 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     steered_replica,
     text_of,
 )
-from conftest import API_KEYS
-from proxy_harness import Mitmdump
+from support.basics import API_KEYS
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 
@@ -58,12 +59,6 @@ from tito_addon.records.record_reader import iter_session_files
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 PREFERRED_TOOLS = {"run_shell_command": {"command": COMMAND}}
-# $HOME/.gemini/settings.json: the API-key auth pinned, usage statistics and telemetry off.
-SETTINGS = {
-    "security": {"auth": {"selectedType": "gemini-api-key"}},
-    "privacy": {"usageStatisticsEnabled": False},
-    "telemetry": {"enabled": False},
-}
 API_KEY = API_KEYS[0]  # one the session-wide audit looks for in every proxy log and recording
 FIRST, SECOND = "Check this folder with the shell.", "Check it once more."
 # The notes of a response a resumed session repeated (`ContentsTranslation.user`).
@@ -79,7 +74,7 @@ def replica(network):
 def gemini_env(tmp_path: Path, bin_dir: Path, proxy: Mitmdump, key: str) -> dict[str, str]:
     home = tmp_path / "home"
     (home / ".gemini").mkdir(parents=True)
-    (home / ".gemini" / "settings.json").write_text(json.dumps(SETTINGS))
+    (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS))
     return base_env(home, bin_dir, GOOGLE_GEMINI_BASE_URL=proxy.url, GEMINI_API_KEY=key, GEMINI_SANDBOX="false",
                     GEMINI_CLI_TRUST_WORKSPACE="true")  # fmt: skip
 

@@ -11,14 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
 from google import genai
 from google.genai import errors, types
-from proxy_harness import Mitmdump, post
-from test_agent_api_recordings import run_cli
-from test_anthropic_messages import assert_token_exact
-from test_gemini_api import THOUGHTS, TOOLS, results
-from test_replay import replay_proxy
+from support.basics import tokenizer_path
+from support.gemini_agent import COMPRESSION_MODEL, THOUGHTS, TOOLS, results
+from support.proxy_harness import Mitmdump, post
+from support.tito_commands import replay_proxy, run_cli
+from support.token_exact import assert_token_exact
 
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
@@ -35,8 +34,6 @@ VERIFY_ASK = ("Critically evaluate the <state_snapshot> you just generated. Did 
               "details, file paths, tool results, or user constraints mentioned in the history? If anything is missing "
               "or could be more precise, generate a FINAL, improved <state_snapshot>. Otherwise, repeat the exact same "
               "<state_snapshot> again.")  # fmt: skip
-# The model its compression requests name whatever `-m` says: their alias (chat-compression-default) resolves to it.
-COMPRESSION_MODEL = "gemini-3.1-pro-preview-customtools"
 ENVIRONMENT = "This is the Gemini CLI. We are setting up the context for our chat.\nToday's date is Thursday."
 # Each recorded turn: (parent, call, model).
 PLACES = [(None, "main", "qwen3"), (0, "main", "qwen3"), (1, "main", "qwen3"), (2, "main", "qwen3"),

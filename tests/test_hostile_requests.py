@@ -25,11 +25,11 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from conftest import tokenizer_path
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
-from proxy_harness import Mitmdump, post
-from upstream_tap import UpstreamTap
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
+from support.upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name

@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 import pytest
-from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.basics import examples
 
 from tito_addon.protocols.json_body import _parse_strict, parse_json_object
 from tito_addon.tito_errors import BadRequest

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.basics import examples
 
 from tito_addon.protocols.known_messages import KnownMessages
 from tito_addon.protocols.known_requests import MIN_PREFIX, STEP, KnownRequests

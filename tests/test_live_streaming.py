@@ -12,20 +12,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, tokenizer_path
-from proxy_harness import Mitmdump, post
+from support.basics import TOOLS, tokenizer_path
+from support.proxy_harness import Mitmdump, post, vllm_proxy
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 MODEL = "tiny-qwen3"
-
-
-def vllm_proxy(backend_url: str, record_dir: Path, cwd: Path) -> Mitmdump:
-    """mitmdump with the addon in front of a vLLM(-shaped) backend, qwen3 tokenizer and family."""
-    options = {"tito_backend_kind": "vllm"}
-    return Mitmdump(backend_url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=cwd, options=options)
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +261,7 @@ async def test_families_whose_parsers_depend_on_chunking_keep_one_derender_call_
     with VllmReplicaThread(config) as replica:
         client = UpstreamClient()
         backend = VllmBackend(client, merge_stream_chunks=merge)
-        from conftest import cached_engine
+        from support.basics import cached_engine
 
         from tito_addon.canonical_chat import ChatRequest
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED, TOOLS, cached_tokenizer, tokenizer_path
+from support.basics import SHARED, TOOLS, cached_tokenizer, tokenizer_path
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.model_families import FAMILIES, GPT_OSS_PINNED_DATE, suggest_family

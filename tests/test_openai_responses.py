@@ -5,14 +5,14 @@ the session tree (after a restart too), item identity across what Codex changes,
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import openai
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump, post
-from test_anthropic_messages import assert_token_exact
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
+from support.responses_agent import echo, outputs
+from support.token_exact import assert_token_exact
 
 TOOLS = [
     {
@@ -51,29 +51,6 @@ def start_proxy(replica, tmp_path: Path) -> Mitmdump:
 
 def client(proxy) -> openai.OpenAI:
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-client", max_retries=0)
-
-
-def echo(response) -> list[dict]:
-    """The output items as Codex sends them back: no ids, everything else verbatim."""
-    items = []
-    for item in response.output:
-        dumped = item.model_dump(exclude_none=True)
-        dumped.pop("id", None)
-        dumped.pop("status", None)
-        items.append(dumped)
-    return items
-
-
-def outputs(response) -> list[dict]:
-    return [
-        {
-            "type": "function_call_output",
-            "call_id": item.call_id,
-            "output": f"{json.loads(item.arguments)['city']}: 21 C",
-        }
-        for item in response.output
-        if item.type == "function_call"
-    ]
 
 
 def test_a_codex_shaped_session_is_token_exact(proxy, replica) -> None:

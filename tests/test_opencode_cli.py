@@ -18,7 +18,7 @@ FILE is `opencode_config` below: one provider `tito` of the given npm package at
 words: opencode joins its arguments, and quotes one that holds a space. opencode also sends `X-Session-Id` (its own
 session id) on every request; the episode key's name wins over it.
 
-The stack (the loopback-only namespace, the pinned CLIs, the steered replica) is tests/agent_cli_stack.py's. Where the
+The stack (the loopback-only namespace, the pinned CLIs, the steered replica) is support/agent_cli_stack.py's. Where the
 namespace is refused, the CLI's own switches keep it home: the models fetch from models.dev, the default plugins,
 auto-update and sharing off. Those switches leave one thing: opencode installs `@opencode-ai/plugin` into its config
 directory from registry.npmjs.org, in the background, unless that directory has a `node_modules/` and a package.json
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from agent_cli_stack import (  # noqa: F401 - fixtures
+from support.agent_cli_stack import (  # noqa: F401 - fixtures
+    BASH_ARGS,
     COMMAND,
     KEY_PREFIX,
     MARKER,
@@ -46,40 +46,21 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     chains_of,
     keyed_proxy,
     network,
+    opencode_config,
     run_cli,
     steered_replica,
+    stub_plugin_install,
     text_of,
 )
-from proxy_harness import Mitmdump
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 
 # The full tier, alone on the machine: the real CLI under its own timeout.
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
-# opencode's bash tool requires `description` besides `command`.
-BASH_ARGS = {"command": COMMAND, "description": "Print a marker"}
 PROMPT = "Check this folder with the shell."
 AGAIN = "Check it once more."
-
-
-def opencode_config(npm: str, base_url: str) -> dict[str, Any]:
-    """opencode.json: one provider of the given package at the proxy, the key from the environment (`{env:…}` is
-    opencode's own substitution, so one file serves every episode); bash allowed, sharing and auto-update off."""
-    provider = {"npm": npm, "name": "tito", "options": {"baseURL": base_url, "apiKey": "{env:TITO_API_KEY}"},
-                "models": {"qwen3": {"name": "qwen3"}}}  # fmt: skip
-    return {"provider": {"tito": provider}, "permission": {"bash": "allow"}, "share": "disabled", "autoupdate": False}
-
-
-def stub_plugin_install(home: Path) -> None:
-    """HOME/.config/opencode as if `@opencode-ai/plugin` were installed there: opencode 1.18.33 runs npm (Arborist)
-    for each config directory whose package.json, plus that package, names a dependency its package-lock.json lacks,
-    or that has no node_modules (a directory it cannot write is skipped, but root writes anywhere)."""
-    config_dir = home / ".config" / "opencode"
-    (config_dir / "node_modules").mkdir(parents=True)
-    dependencies = {"dependencies": {"@opencode-ai/plugin": "1.18.33"}}
-    (config_dir / "package.json").write_text(json.dumps(dependencies))
-    (config_dir / "package-lock.json").write_text(json.dumps({"packages": {"": dependencies}}))
 
 
 @pytest.fixture(scope="module")

@@ -5,27 +5,16 @@ due. The end-to-end checks (same message, merged calls, real vLLM) are in test_l
 from __future__ import annotations
 
 import pytest
-from conftest import cached_engine, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.basics import cached_engine, examples
+from support.seed_reference import expected_seed
 
 from tito_addon.backends.chunk_batches import due
 from tito_addon.backends.parser_inputs import PROMPT_TAIL, derender_chat_request, prompt_seed, sglang_messages
 from tito_addon.engine.model_families import FAMILIES
 
 SPECIAL = frozenset({100, 101, 102, 103})
-
-
-def expected_seed(ids: list[int], special: frozenset[int], tail: int = PROMPT_TAIL) -> list[int]:
-    """The reference: a plain forward loop over the prompt."""
-    if len(ids) <= tail:
-        return list(ids)
-    head = len(ids) - tail
-    last: dict[int, int] = {}
-    for position, token in enumerate(ids[:head]):
-        if token in special:
-            last[token] = position
-    return [ids[p] for p in sorted(last.values())] + ids[head:]
 
 
 def last_special(ids: list[int], special: frozenset[int]) -> int | None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump, post
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TOOLS, tokenizer_path, wait_until
-from proxy_harness import REPO, Mitmdump
-from test_proxy_sglang import agent, run_agent
+from support.basics import TOOLS, tokenizer_path, wait_until
+from support.chat_agent import agent, run_agent
+from support.proxy_harness import REPO, Mitmdump
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread

@@ -10,15 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from upstream_tap import UpstreamTap
+from support.basics import tokenizer_path
+from support.chat_agent import AGENT
+from support.proxy_harness import Mitmdump
+from support.upstream_tap import UpstreamTap
 
 from tito_addon.backends.backend_routes import BackendRoutes, parse_backends
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-
-AGENT = REPO / "tests" / "agents" / "openai_python_agent.py"
 
 
 @pytest.fixture(scope="module")

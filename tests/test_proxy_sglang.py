@@ -13,14 +13,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, echo, tokenizer_path
-from proxy_harness import REPO, Mitmdump, get, post
+from support.basics import TOOLS, echo, tokenizer_path
+from support.chat_agent import SECRET, agent, run_agent
+from support.proxy_harness import REPO, Mitmdump, get, post
 
 from tito_addon.records.record_reader import read_session_file
 from tito_addon.records.trajectory_recorder import session_file_name
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-
-SECRET = "sk-tito-test-SECRET-4f9a1c"
 
 
 @pytest.fixture(scope="module")
@@ -53,37 +52,6 @@ def proxy(replica, record_dir, tmp_path_factory):
 def fresh(replica):
     replica.backend.reset()
     return replica
-
-
-def agent(proxy, session: str | None = None, **kw) -> openai.OpenAI:
-    headers = {"x-session-id": session} if session else None
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=SECRET, default_headers=headers, max_retries=0, **kw)
-
-
-def run_agent(client: openai.OpenAI, turns: int, *, stream: bool = False, first: str = "Weather in Paris?"):
-    messages: list[dict] = [
-        {"role": "system", "content": "You are a travel agent."},
-        {"role": "user", "content": first},
-    ]
-    replies = []
-    for turn in range(turns):
-        if stream:
-            with client.chat.completions.stream(model="reference-model", messages=messages, tools=TOOLS) as events:
-                for _ in events:
-                    pass
-                completion = events.get_final_completion()
-        else:
-            completion = client.chat.completions.create(model="reference-model", messages=messages, tools=TOOLS)
-        message = completion.choices[0].message
-        replies.append(completion)
-        messages.append(echo(message))
-        if message.tool_calls:
-            for index, call in enumerate(message.tool_calls):
-                args = json.loads(call.function.arguments)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {turn}.{index}: {args}"})
-        else:
-            messages.append({"role": "user", "content": f"Thanks. Now Oslo, round {turn}?"})
-    return messages, replies
 
 
 def session_records(record_dir: Path, session_id: str):

@@ -16,7 +16,7 @@ with `tito_session_api_key_prefix=sk-tito-`, so the key `sk-tito-EPISODE` names 
         pi --provider tito --model qwen3 --mode json -p PROMPT
         pi --provider tito --model qwen3 --mode json -c -p PROMPT2
 
-The stack (the loopback-only namespace, the pinned CLIs, the steered replica) is tests/agent_cli_stack.py's. Where the
+The stack (the loopback-only namespace, the pinned CLIs, the steered replica) is support/agent_cli_stack.py's. Where the
 namespace is refused, the CLIs' own switches keep them home: Qwen Code's usage statistics, telemetry and auto-update
 off in its settings, pi's startup network operations (update checks, install telemetry) off with PI_OFFLINE=1.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_cli_stack import (  # noqa: F401 - fixtures
+from support.agent_cli_stack import (  # noqa: F401 - fixtures
     COMMAND,
     KEY_PREFIX,
     MARKER,
@@ -45,7 +45,7 @@ from agent_cli_stack import (  # noqa: F401 - fixtures
     steered_replica,
     text_of,
 )
-from proxy_harness import Mitmdump
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 

@@ -38,9 +38,9 @@ from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 import pytest
-from agent_cli_stack import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
-from conftest import SHARED, wait_until
-from proxy_harness import REPO
+from support.agent_cli_stack import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
+from support.basics import SHARED, wait_until
+from support.proxy_harness import REPO
 
 from tito_addon.records.record_reader import iter_session_files
 

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump, post
+from support.basics import tokenizer_path
+from support.proxy_harness import REPO, Mitmdump, post
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaThread

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from proxy_harness import REPO
+from support.proxy_harness import REPO
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.records import trajectory_recorder

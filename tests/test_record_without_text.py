@@ -11,9 +11,9 @@ import json
 import subprocess
 import sys
 
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump, post
-from test_replay import replay_proxy
+from support.basics import tokenizer_path
+from support.proxy_harness import REPO, Mitmdump, post
+from support.tito_commands import replay_proxy
 
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord
 from tito_addon.records.record_reader import read_session_file

@@ -3,15 +3,15 @@ them and shows a shifted checkpoint's gap exactly."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from test_proxy_sglang import agent, run_agent
+from support.basics import tokenizer_path
+from support.chat_agent import agent, run_agent
+from support.proxy_harness import REPO, Mitmdump
+from support.tito_commands import redrive
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
@@ -25,16 +25,6 @@ def recorded(tmp_path_factory) -> Path:
     ) as proxy:  # fmt: skip
         run_agent(agent(proxy, "redrive-me"), 5)
     return record_dir
-
-
-def redrive(record_dir: Path, url: str, out: Path) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", "redrive", str(record_dir), "--backend", url, "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "total:" in result.stdout
-    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("shift", [0.0, 0.25])

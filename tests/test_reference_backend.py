@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import wait_until
+from support.basics import wait_until
 
 from tito_addon.replicas.sglang_cli import main
 from tito_addon.replicas.sglang_replica import (

@@ -7,18 +7,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump, post
-from test_proxy_sglang import agent, run_agent
+from support.basics import tokenizer_path
+from support.chat_agent import agent, run_agent
+from support.proxy_harness import Mitmdump, post
+from support.tito_commands import replay_proxy
 
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-
-
-def replay_proxy(record_dir: Path, cwd: Path, *options: str) -> Mitmdump:
-    proxy = Mitmdump("", tokenizer="", record_dir=record_dir, cwd=cwd, via_module=True)
-    proxy.argv = [sys.executable, "-m", "tito_addon", "replay", str(record_dir), "--listen-host", "127.0.0.1",
-                  "-p", "0", *options]  # fmt: skip
-    return proxy
 
 
 def summary(completion) -> tuple:
@@ -86,7 +80,7 @@ def test_a_flow_file_regenerates_its_trajectories_offline(tmp_path: Path) -> Non
     """`mitmdump -w` keeps each turn's record in flow.metadata; `mitmdump -r` through the addon writes them again."""
     import subprocess
 
-    from proxy_harness import REPO
+    from support.proxy_harness import REPO
 
     from tito_addon.records.record_reader import iter_session_files
 

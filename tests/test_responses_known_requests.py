@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from agent_reads import agent_read
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.agent_reads import agent_read
 
 from tito_addon.protocols.known_requests import KnownRequests
 from tito_addon.protocols.openai_responses import OpenAIResponsesApi

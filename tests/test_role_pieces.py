@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED, TOOLS, cached_engine, cached_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.basics import SHARED, TOOLS, cached_engine, cached_tokenizer
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.model_families import FAMILIES

@@ -13,9 +13,9 @@ import httpx2
 import openai
 import pyarrow.parquet as pq
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import REPO, Mitmdump, post
-from test_proxy_modes import AGENT
+from support.basics import tokenizer_path
+from support.chat_agent import AGENT
+from support.proxy_harness import REPO, Mitmdump, post
 
 from tito_addon.client import AsyncTitoClient, TitoClient, TitoControlError, episode_api_key, episode_proxy_url
 from tito_addon.records.record_reader import read_session
@@ -23,7 +23,7 @@ from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 TOKEN = "control-token-0123456789abcdef"
 KEY_PREFIX = "sk-ep-"
-BACKEND_KEY = "backend-SECRET-key-9d2e"  # also in conftest.API_KEYS: no log or record may show it
+BACKEND_KEY = "backend-SECRET-key-9d2e"  # also in support.basics.API_KEYS: no log or record may show it
 
 
 @pytest.fixture(scope="module")

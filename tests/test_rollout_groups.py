@@ -5,7 +5,6 @@ on sessions recorded from a real tokenizer and the sglang replica."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import subprocess
@@ -14,22 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cached_engine, tokenizer_path
-from test_trainer_export import echo, run_turn, weather_tree
+from support.recorded_sessions import record_episodes
 
-from tito_addon.backends.sglang_backend import SglangBackend
-from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.episode_segments import episode_segments
 from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import iter_session_files, read_session
-from tito_addon.records.records_port import FileRecords
 from tito_addon.records.rollout_groups import AUTO_PREFIX, GroupSizeError, PlacedRow
 from tito_addon.records.segment_branches import branch_of
 from tito_addon.records.trainer_rows import ExportOptions, rows_of, verl_row
-from tito_addon.records.trajectory_recorder import TrajectoryRecorder
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-from tito_addon.sessions.memory_sessions import MemorySessions
-from tito_addon.turns.turn_service import TurnService
 
 REPO = Path(__file__).resolve().parents[1]
 #: session -> (first request, driver's group or None, reward)
@@ -43,40 +34,6 @@ EPISODES = {
     "b1": ("Weather in Lima?", "task-b", 1.0),
     "d0": ("How is Rome?", None, None),
 }
-
-
-async def episode(service: TurnService, url: str, session: str, first: str) -> None:
-    """Two turns: the first request, then the tool results or a follow-up the agent appends."""
-    messages: list[dict] = [{"role": "user", "content": first}]
-    message = await run_turn(service, url, session, messages)
-    messages.append(echo(message))
-    calls = message.get("tool_calls") or []
-    messages += [{"role": "tool", "tool_call_id": c["id"], "content": "21C"} for c in calls]
-    if not calls:
-        messages.append({"role": "user", "content": "Thanks."})
-    await run_turn(service, url, session, messages)
-
-
-def record_episodes(out: Path, episodes: dict, tree: bool = False) -> TrajectoryRecorder:
-    """Record `episodes` (session -> first request, group, reward) into `out`, one session each, in that order, then
-    annotate each with its group, reward and a label; `tree`: also session `s`, test_trainer_export's tree."""
-    recorder = TrajectoryRecorder(out)
-
-    async def run(url: str) -> None:
-        client = UpstreamClient()
-        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), FileRecords(out))
-        for session, (first, _, _) in episodes.items():
-            await episode(service, url, session, first)
-        if tree:
-            await weather_tree(service, url)
-        await client.close()
-
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica:
-        asyncio.run(run(replica.url))
-    for session, (_, group, reward) in episodes.items():
-        fields = {"reward": reward, "group": group, "labels": ["scored"]}
-        recorder.write_annotation(AnnotationRecord(session_id=session, ts=time.time(), **fields))
-    return recorder
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ same bytes as naming each `--session`), an empty selection is refused, a group-s
 at, verl_batch's length errors say the lengths to set, `show` reads as a person needs (tool calls with arguments, the
 results that answered them, the episode's reward, group and labels; `--full` whole), and `audit` takes `--session`
 and marks turns and the reward on its page. On sessions recorded from the real qwen3 tokenizer and the sglang
-replica (test_rollout_groups' `record_episodes`)."""
+replica (`support.recorded_sessions.record_episodes`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from test_rollout_groups import record_episodes
+from support.recorded_run import EPISODES, record_run
+from support.recorded_sessions import record_episodes
 
-from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import read_session
 from tito_addon.records.rollout_groups import GroupSizeError, arrange
 from tito_addon.records.segment_branches import branches
@@ -25,28 +25,11 @@ from tito_addon.records.session_selection import recorded_session_ids
 from tito_addon.trainers.verl_batch import verl_batch
 
 REPO = Path(__file__).resolve().parents[1]
-#: session -> (first request, group, reward): a run `run7-` of two tasks, a stray session of another run.
-EPISODES = {
-    "run7-b1": ("Weather in Lima?", "lima", 0.5),
-    "run7-a0": ("Weather in Paris?", "paris", 1.0),
-    "run7-a1": ("Weather in Paris?", "paris", 0.0),
-    "run7-b0": ("Weather in Lima?", "lima", 0.25),
-    "stray-1": ("And how is the weather in Rome today, please?", None, None),
-}
 
 
 @pytest.fixture(scope="module")
 def record_dir(tmp_path_factory) -> Path:
     return record_run(tmp_path_factory.mktemp("run"))
-
-
-def record_run(out: Path) -> Path:
-    recorder = record_episodes(out, EPISODES)
-    # A later, turn-level note: its labels join the episode's, its metadata is the episode's.
-    recorder.write_annotation(
-        AnnotationRecord(session_id="run7-a0", turn_id=1, ts=time.time(), labels=["checked"], metadata={"seed": 3})
-    )
-    return out
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -8,8 +8,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from conftest import cached_engine, tokenizer_path
-from upstream_tap import UpstreamTap
+from support.basics import cached_engine, tokenizer_path
+from support.upstream_tap import UpstreamTap
 
 from tito_addon.backends.backend_protocol import BackendTurn
 from tito_addon.backends.server_facts import ServerFacts

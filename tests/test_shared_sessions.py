@@ -17,8 +17,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, echo, tokenizer_path
-from proxy_harness import post
+from support.basics import TOOLS, echo, tokenizer_path
+from support.proxy_harness import post
 
 from tito_addon.proxy.tito_settings import TitoSettings
 from tito_addon.records.record_reader import read_session
@@ -227,7 +227,7 @@ def test_the_readmes_deployment_recipe_is_valid(tmp_path) -> None:
     import re
     import subprocess
 
-    from conftest import REPO
+    from support.basics import REPO
 
     readme = (REPO / "README.md").read_text("utf-8")
     recipe = readme[readme.index("### Many proxies, one session space") :]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED, TOOLS, cached_engine
+from support.basics import SHARED, TOOLS, cached_engine
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.model_families import FAMILIES
@@ -174,7 +174,7 @@ def test_forbidden_request_kwargs(qwen3_engine: TokenEngine) -> None:
 
 def test_default_family_probe() -> None:
     """`default` on the stock Qwen3 template is refused with a message naming the family to use."""
-    from conftest import cached_tokenizer, tokenizer_path
+    from support.basics import cached_tokenizer, tokenizer_path
 
     engine = TokenEngine(cached_tokenizer("qwen3"), FAMILIES["default"], tokenizer_name=tokenizer_path("qwen3"))
     with pytest.raises(ValueError, match="tito_model_family=qwen3"):

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TOOLS, cached_engine, tokenizer_path
+from support.basics import cached_engine, tokenizer_path
+from support.recorded_sessions import weather_tree
 
 from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient
@@ -25,37 +26,6 @@ from tito_addon.sessions.memory_sessions import MemorySessions
 from tito_addon.turns.turn_service import TurnService
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-async def run_turn(service: TurnService, url: str, session: str, messages: list[dict]) -> dict:
-    body = json.dumps({"model": "m", "messages": messages, "tools": TOOLS}).encode()
-    reply = await service.handle("/v1/chat/completions", {"x-session-id": session}, body, url)
-    assert reply.status == 200, reply.body
-    return json.loads(reply.body)["choices"][0]["message"]
-
-
-def echo(message: dict) -> dict:
-    out = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")} for c in message["tool_calls"]]
-    return out
-
-
-async def weather_tree(service: TurnService, url: str, before_step=lambda step: None) -> None:
-    """Session `s`: 4 chained turns, a retry of the third (a sibling branch) and an edited first request (a new
-    root); `before_step(step)` runs before each of the 4 steps."""
-    messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
-    for step in range(4):
-        before_step(step)
-        message = await run_turn(service, url, "s", messages)
-        if step == 2:
-            await run_turn(service, url, "s", messages)  # a retry: a sibling branch
-        messages.append(echo(message))
-        if message.get("tool_calls"):
-            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "21C"} for c in message["tool_calls"]]
-        else:
-            messages.append({"role": "user", "content": f"And then {step}?"})
-    await run_turn(service, url, "s", [{"role": "user", "content": "Weather in Rome?"}])
 
 
 @pytest.fixture(scope="module")

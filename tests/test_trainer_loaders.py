@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tokenizer_path
-from proxy_harness import Mitmdump
-from test_rollout_groups import record_episodes
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump
+from support.recorded_sessions import record_episodes
 
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 

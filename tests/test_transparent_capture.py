@@ -13,8 +13,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import TOOLS, tokenizer_path, wait_until
-from proxy_harness import Mitmdump, post
+from support.basics import TOOLS, tokenizer_path, wait_until
+from support.proxy_harness import Mitmdump, post
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import cached_tokenizer, tokenizer_path
+from support.basics import cached_tokenizer, tokenizer_path
 
 from tito_addon.tools.cli import main
 from tito_addon.tools.template_verifier import render_report, verify

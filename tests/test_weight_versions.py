@@ -15,8 +15,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, echo, tokenizer_path
-from proxy_harness import Mitmdump
+from support.basics import TOOLS, echo, tokenizer_path
+from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session
 from tito_addon.records.trainer_rows import session_rows

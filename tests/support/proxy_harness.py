@@ -1,10 +1,15 @@
-"""HTTP helpers for the integration tests (stdlib only); the mitmdump launcher lives in the package."""
+"""HTTP helpers for the integration tests (stdlib only), and mitmdump in front of a vLLM-shaped backend; the
+mitmdump launcher lives in the package."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tito_addon.replicas.proxy_process import REPO, Mitmdump
 
-__all__ = ["REPO", "Mitmdump", "Reply", "get", "post"]
+from .basics import tokenizer_path
+
+__all__ = ["REPO", "Mitmdump", "Reply", "get", "post", "vllm_proxy"]
 
 
 class Reply:
@@ -46,3 +51,9 @@ def post(url: str, **kw) -> Reply:
 
 def get(url: str, **kw) -> Reply:
     return http_request("GET", url, **kw)
+
+
+def vllm_proxy(backend_url: str, record_dir: Path, cwd: Path) -> Mitmdump:
+    """mitmdump with the addon in front of a vLLM(-shaped) backend, qwen3 tokenizer and family."""
+    options = {"tito_backend_kind": "vllm"}
+    return Mitmdump(backend_url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=cwd, options=options)

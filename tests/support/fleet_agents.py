@@ -31,7 +31,7 @@ try:  # the openai SDK's HTTP client: httpx, or its successor httpx2 in newer SD
 except ImportError:  # pragma: no cover - depends on the installed SDK
     import httpx
 
-from conftest import TOOLS  # noqa: E402 - the tool set every test's conversation uses
+from .basics import TOOLS  # noqa: E402 - the tool set every test's conversation uses
 
 GROUP = 8
 MODEL = "reference-model"

@@ -22,6 +22,9 @@ The replica's script is steered (`preferred_tools`, `tool_rounds`) to call each 
 per prompt (one of them, the replica's every-third turn, with two parallel calls), then answer, so each invocation ends
 by itself. The command prints a marker and the network namespace it ran in, so the tool results prove where the CLI
 ran.
+
+The CLIs' own configuration files, for every test that runs them: Codex's config.toml (CODEX_CONFIG), Gemini CLI's
+settings.json (GEMINI_SETTINGS), opencode's opencode.json (`opencode_config`, BASH_ARGS, `stub_plugin_install`).
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import API_KEYS, tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from test_anthropic_messages import assert_token_exact
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+from .basics import API_KEYS, tokenizer_path
+from .proxy_harness import REPO, Mitmdump
+from .token_exact import assert_token_exact
 
 CLI_DIR = REPO / "tests" / "agent_clis"
 PINNED = json.loads((CLI_DIR / "package.json").read_text())["dependencies"]
@@ -88,6 +92,33 @@ enabled = false
 [feedback]
 enabled = false
 """
+# Gemini CLI's $HOME/.gemini/settings.json: the API-key auth pinned, usage statistics and telemetry off.
+GEMINI_SETTINGS = {
+    "security": {"auth": {"selectedType": "gemini-api-key"}},
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+}
+# opencode's bash tool requires `description` besides `command`.
+BASH_ARGS = {"command": COMMAND, "description": "Print a marker"}
+
+
+def opencode_config(npm: str, base_url: str) -> dict[str, Any]:
+    """opencode.json: one provider of the given package at the proxy, the key from the environment (`{env:…}` is
+    opencode's own substitution, so one file serves every episode); bash allowed, sharing and auto-update off."""
+    provider = {"npm": npm, "name": "tito", "options": {"baseURL": base_url, "apiKey": "{env:TITO_API_KEY}"},
+                "models": {"qwen3": {"name": "qwen3"}}}  # fmt: skip
+    return {"provider": {"tito": provider}, "permission": {"bash": "allow"}, "share": "disabled", "autoupdate": False}
+
+
+def stub_plugin_install(home: Path) -> None:
+    """HOME/.config/opencode as if `@opencode-ai/plugin` were installed there: opencode 1.18.33 runs npm (Arborist)
+    for each config directory whose package.json, plus that package, names a dependency its package-lock.json lacks,
+    or that has no node_modules (a directory it cannot write is skipped, but root writes anywhere)."""
+    config_dir = home / ".config" / "opencode"
+    (config_dir / "node_modules").mkdir(parents=True)
+    dependencies = {"dependencies": {"@opencode-ai/plugin": "1.18.33"}}
+    (config_dir / "package.json").write_text(json.dumps(dependencies))
+    (config_dir / "package-lock.json").write_text(json.dumps({"packages": {"": dependencies}}))
 
 
 # ---------------------------------------------------------------------------------------------- network isolation
