@@ -18,7 +18,7 @@ What is checked: every block's exit status; each agent's session on disk token e
 process says it generated (`GET /_replica/generated`), one chain of exact ids with three tool round trips per
 prompt whose results hold what the real tool printed; the export's rows; and that the agent table's rows say what
 the recipes run. The run takes about 40 s (the full tier, alone on the machine); the table check is cheap and runs in
-`make test`.
+`make test` (test_readme_agent_table.py).
 """
 
 from __future__ import annotations
@@ -41,13 +41,10 @@ import pytest
 from support.agent_cli_stack import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
 from support.basics import SHARED, wait_until
 from support.proxy_harness import REPO
+from support.readme_recipes import recipes
 
 from tito_addon.records.record_reader import iter_session_files
 
-README = REPO / "README.md"
-RECIPE = re.compile(r"<!-- recipe: ([\w-]+) -->\n```bash\n(.*?)```", re.S)
-RECIPES = ["install", "terminal", "backend", "proxy", "openai-python", "claude-code", "codex", "gemini-cli", "look",
-           "driver", "verl-step"]  # fmt: skip
 DRIVER_TASKS, DRIVER_SAMPLES = ["list-folder", "count-files"], 2  # examples/shell_tasks.jsonl, the recipe's --samples
 TRAINERS = REPO / ".venv-trainers" / "bin" / "python"
 BACKEND, PROXY = 30000, 8080  # the recipes' own ports
@@ -57,30 +54,6 @@ TOOL_ROUNDS = 3  # the backend recipe's --tool-rounds
 BLOCK_TIMEOUT_S = 240
 # Entries of the repository the scratch view does not link: what the recipes write, and what they must not see.
 OWN = {".git", "recordings", "codex-home", "gemini-home", "rows.parquet", "rollouts.parquet", "build"}
-
-
-def getting_started() -> str:
-    text = README.read_text()
-    start = text.index("## Getting started")
-    return text[start : text.index("\n## ", start + 1)]
-
-
-def recipes() -> dict[str, str]:
-    found = RECIPE.findall(getting_started())
-    return dict(found)
-
-
-AGENTS = ("openai-python", "Claude Code", "Codex", "Gemini CLI")  # the table's rows that recipes run
-
-
-def agent_rows() -> dict[str, str]:
-    """The episode-naming table's rows, by agent."""
-    rows = {}
-    for line in README.read_text().splitlines():
-        cells = line.split(" | ")
-        if line.startswith("| ") and len(cells) == 2 and cells[0][2:] in AGENTS:
-            rows[cells[0][2:]] = cells[1]
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------- running blocks
@@ -182,24 +155,6 @@ def text_of(content: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the test
-
-
-def test_readme_recipes_agree_with_the_agent_table() -> None:
-    """Cheap, and first: the table's rows name what the recipes run (the variables, the Codex config keys)."""
-    blocks, rows = recipes(), agent_rows()
-    assert list(blocks) == RECIPES, list(blocks)
-    assert sorted(rows) == sorted(AGENTS), rows
-    for agent, recipe, episode in (("openai-python", "openai-python", "weather"), ("Claude Code", "claude-code",
-                                   "claude"), ("Codex", "codex", "codex"), ("Gemini CLI", "gemini-cli",
-                                   "gemini")):  # fmt: skip
-        reverse = rows[agent][rows[agent].index("reverse:") :]
-        spans = re.findall(r"`([^`]+)`", reverse)
-        settings = [word for span in spans for word in re.findall(r"\b[A-Z_]+=\S+|\b[a-z_]+ = \"[^\"]*\"", span)]
-        assert settings, (agent, reverse)
-        for setting in settings:
-            if "ANTHROPIC_AUTH_TOKEN" in setting:  # the row's alternative to the recipe's x-api-key
-                continue
-            assert setting.replace("ep-7", episode) in blocks[recipe], (agent, setting)
 
 
 @pytest.mark.full

@@ -14,6 +14,9 @@ tito_commands       `python -m tito_addon` run over recordings: replay, redrive,
 recorded_sessions   sessions recorded in process (the turn service over the sglang replica) for the export tests
 recorded_run        a run's worth of those sessions, annotated, for the run-selection tests
 seed_reference      the reference for the prompt seed vLLM's derender is sent
+example_driver      the example rollout driver run as a subprocess beside a regular-mode proxy
+transparent_agents  simulated agents that send no session id, and where each of their requests must land
+readme_recipes      the README's Getting started recipes, by name
 agent_cli_stack     the real agent CLIs' stack: a loopback-only namespace, the pinned CLIs, their configuration
 fleet_agents        the load generator for a fleet of proxies
 """
