@@ -1,7 +1,8 @@
-"""Shared fixtures: the sglang replica, redis, a mitmdump per test, the engines, and the session-wide audit that no
-credential reached a recording or a log. Their helpers, and every helper a test module uses, are in support/
-(`support.basics`: the real tokenizers in ../shared/tokenizers, HF hub names when shared/ is absent); no test module
-imports another test module, or this file."""
+"""Shared fixtures, for every tier's folder (fast/, full/, e2e/, trainer_checks/): the sglang replica, redis, a
+mitmdump per test, the engines, and the session-wide audit that no credential reached a recording or a log. Their
+helpers, and every helper a test module uses, are in support/ (`support.basics`: the real tokenizers in
+../shared/tokenizers, HF hub names when shared/ is absent); no test module imports another test module, or this
+file."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ context rebuilt from its summary, a sub-agent and a side call, sent as Claude Co
 measured from the pinned CLIs; README, "Episodes"), each turn placed in its episode (`episode`, `call`, `follows`),
 token exact, and exported one row per segment with the episode's reward on every row.
 
-The real CLIs' long episodes are in tests/test_agent_episodes.py (the full tier).
+The real CLIs' long episodes are in tests/full/test_agent_episodes.py (the full tier).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Codex's, a 400 with the code `session_closed`), sends it once and exits within s
 409 here had Claude Code retrying for six minutes.
 
 Each CLI names its episode by API key (`sk-tito-EPISODE`, the proxy's `tito_session_api_key_prefix`), as in
-tests/test_agent_clis.py, test_gemini_cli.py and test_opencode_cli.py, whose command lines these are; the stack (the
+full/test_agent_clis.py, test_gemini_cli.py and test_opencode_cli.py, whose command lines these are; the stack (the
 loopback-only namespace, the pinned CLIs, the steered replica) is support/agent_cli_stack.py's. The control API runs
 inside the namespace, where the proxy is."""
 

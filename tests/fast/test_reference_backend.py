@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support.basics import wait_until
+from support.basics import REPO, wait_until
 
 from tito_addon.replicas.sglang_cli import main
 from tito_addon.replicas.sglang_replica import (
@@ -29,8 +29,7 @@ from tito_addon.replicas.sglang_replica import (
     ReplicaThread,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "qwen3"
+TOKENIZER_DIR = REPO.parent / "shared" / "tokenizers" / "qwen3"
 IM_END = 151645
 
 pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason=f"tokenizer missing: {TOKENIZER_DIR}")

@@ -287,7 +287,7 @@ def test_drift_audit_reads_the_session(recorded, tmp_path: Path) -> None:
 
 
 def test_a_later_compaction_follows_the_snapshot_its_history_starts_from(tmp_path: Path) -> None:
-    """Gemini CLI's second compression of a session (seen with the CLI itself, tests/test_agent_episodes.py) sends a
+    """Gemini CLI's second compression of a session (seen with the CLI itself, full/test_agent_episodes.py) sends a
     history that starts from the first checked snapshot: both its requests are compactions following the first check
     turn (the summary they hold), and the context rebuilt from the second snapshot follows the second check turn and
     continues `main`."""

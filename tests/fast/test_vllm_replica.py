@@ -13,16 +13,16 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support.basics import REPO
 
 from tito_addon.replicas.scripted_model import conversation_from_prompt
 from tito_addon.replicas.vllm_derender import parse_hermes_tool_calls, parse_qwen3_reasoning
 from tito_addon.replicas.vllm_replica import VllmReplica, VllmReplicaConfig, VllmReplicaThread
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = REPO.parent / "shared"
 TOKENIZER_DIR = SHARED / "tokenizers" / "qwen3"
 EXAMPLES = SHARED / "vllm_scale_out_examples"
 RENDER = "/v1/chat/completions/render"

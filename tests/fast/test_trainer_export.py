@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.basics import cached_engine, tokenizer_path
+from support.basics import REPO, cached_engine, tokenizer_path
 from support.recorded_sessions import weather_tree
 
 from tito_addon.backends.sglang_backend import SglangBackend
@@ -24,8 +24,6 @@ from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.sessions.memory_sessions import MemorySessions
 from tito_addon.turns.turn_service import TurnService
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ def test_twenty_turn_tool_session_is_token_exact(proxy, fresh, record_dir) -> No
         body = received[turn]
         assert body["logprobs"] is True and body["return_meta_info"] is True and body["stream"] is False
         assert "stream_options" not in body
-        if turn:  # the echo proved this backend honours input_ids on its first turn (tests/test_prompt_echo.py)
+        if turn:  # the echo proved this backend honours input_ids on its first turn (tests/fast/test_prompt_echo.py)
             assert "return_prompt_token_ids" not in body
         assert body["tools"] == TOOLS
         # sglang reads no message when given input_ids (backends/parser_inputs.py): the conversation stays here.

@@ -15,6 +15,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from support.basics import REPO
 from support.recorded_run import EPISODES, record_run
 from support.recorded_sessions import record_episodes
 
@@ -23,8 +24,6 @@ from tito_addon.records.rollout_groups import GroupSizeError, arrange
 from tito_addon.records.segment_branches import branches
 from tito_addon.records.session_selection import recorded_session_ids
 from tito_addon.trainers.verl_batch import verl_batch
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

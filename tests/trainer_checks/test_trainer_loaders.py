@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.basics import tokenizer_path
+from support.basics import REPO, tokenizer_path
 from support.proxy_harness import Mitmdump
 from support.recorded_sessions import record_episodes
 
@@ -23,7 +23,6 @@ from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 pytestmark = [pytest.mark.full, pytest.mark.trainers]
 
-REPO = Path(__file__).resolve().parents[1]
 TRAINERS = REPO / os.environ.get("TITO_TRAINERS_VENV", ".venv-trainers") / "bin" / "python"
 CHECK = REPO / "tests" / "trainer_checks" / "check_loaders.py"
 #: session -> (first request, group, reward): two groups of three, one of two, every reward known.

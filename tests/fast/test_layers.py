@@ -39,8 +39,8 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 import pytest
+from support.basics import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "tito_addon"
 
 GROUND = "ground"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.basics import REPO
 from support.recorded_sessions import record_episodes
 
 from tito_addon.records.episode_segments import episode_segments
@@ -22,7 +23,6 @@ from tito_addon.records.rollout_groups import AUTO_PREFIX, GroupSizeError, Place
 from tito_addon.records.segment_branches import branch_of
 from tito_addon.records.trainer_rows import ExportOptions, rows_of, verl_row
 
-REPO = Path(__file__).resolve().parents[1]
 #: session -> (first request, driver's group or None, reward)
 EPISODES = {
     "a0": ("Weather in Paris?", "task-a", 1.0),
@@ -220,7 +220,7 @@ def test_slime_rollout_files_say_where_torch_is_needed(record_dir: Path, tmp_pat
     try:
         import torch  # noqa: F401
 
-        pytest.skip("this environment has torch: tests/test_trainer_loaders.py checks the files it writes")
+        pytest.skip("this environment has torch: trainer_checks/test_trainer_loaders.py checks the files it writes")
     except ImportError:
         pass
     result = run_export(record_dir, tmp_path / "pt", "--session", "a0", "--format", "slime", "--to", "pt")
