@@ -7,6 +7,7 @@
 #   3. e2e: a real vLLM server on the CPU (tests/e2e/);
 #   4. trainers: verl's and slime's loaders in the trainer environment (verl from PyPI, the CPU torch), installed in
 #      the background after the vLLM one (tests/trainer_checks/).
+# The markers choose the tests; each folder holds its tier's (tests/fast/test_layers.py checks it).
 # Each group reports its 25 slowest tests; the last line adds up all three. A failed group does not stop the next.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -23,6 +23,10 @@ checker names it, so the rules are known to bite.
 
 The benchmarks (`bench/`, modules imported by bare name) keep their command line apart from their harness: no
 module imports `run_all`, and their imports have no cycle.
+
+The tests (`tests/`) show their tiers: a test file lives in the folder of its tests' tier markers (`fast/` none,
+`full/` `full` or `serial`, `e2e/` `e2e`, `trainer_checks/` `trainers`), and no module there imports a test module or
+conftest.py: what tests share is in `support/`.
 """
 
 from __future__ import annotations
@@ -512,4 +516,146 @@ def test_a_foreign_option_read_is_caught(tmp_path: Path, where: str, source: str
     with (copy / where).open("a", encoding="utf-8") as planted:
         planted.write(source)
     found = foreign_option_reads(copy)
+    assert len(found) == 1 and said in found[0], found
+
+
+# -- the tests: each file in its tier's folder, helpers only from support/ ----------------------------------------
+
+TESTS = REPO / "tests"
+#: The markers that choose a tier (pyproject.toml) and the folder a test carrying them lives in; a test with none of
+#: them is `make test`'s, in `fast/`. The first that applies wins: an `e2e` test is e2e's even if also `full`.
+TIER_FOLDERS = (("e2e", {"e2e"}), ("trainer_checks", {"trainers"}), ("full", {"full", "serial"}))
+FAST = "fast"
+TIER_MARKERS = {marker for _, markers in TIER_FOLDERS for marker in markers}
+SKIPPED_DIRS = {"node_modules", "__pycache__"}
+
+
+def tier_marks(node: ast.AST) -> set[str]:
+    """The tier markers written anywhere in `node` as `pytest.mark.NAME`: a decorator, a pytestmark, a param's marks."""
+    return {
+        sub.attr
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Attribute)
+        and sub.attr in TIER_MARKERS
+        and isinstance(sub.value, ast.Attribute)
+        and sub.value.attr == "mark"
+        and isinstance(sub.value.value, ast.Name)
+        and sub.value.value.id == "pytest"
+    }
+
+
+def pytestmark_of(body: list[ast.stmt]) -> set[str]:
+    targets = [
+        n for n in body if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+    ]
+    return set().union(*(tier_marks(n.value) for n in targets))
+
+
+def marked_tests(tree: ast.Module) -> list[tuple[str, int, set[str]]]:
+    """Each test pytest collects from the module (`test*` functions, `test*` methods of `Test*` classes), with the tier
+    markers it carries: the module's pytestmark, its class's, its own decorators."""
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    module = pytestmark_of(tree.body)
+    found = []
+    for node in tree.body:
+        if isinstance(node, functions) and node.name.startswith("test"):
+            marks = module.union(*map(tier_marks, node.decorator_list))
+            found.append((node.name, node.lineno, marks))
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            cls = module | pytestmark_of(node.body) | set().union(*map(tier_marks, node.decorator_list))
+            for item in node.body:
+                if isinstance(item, functions) and item.name.startswith("test"):
+                    marks = cls.union(*map(tier_marks, item.decorator_list))
+                    found.append((f"{node.name}.{item.name}", item.lineno, marks))
+    return found
+
+
+def folder_for(marks: set[str]) -> str:
+    return next((folder for folder, markers in TIER_FOLDERS if marks & markers), FAST)
+
+
+def suite_files(tests: Path) -> list[Path]:
+    return sorted(p for p in tests.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(tests).parts))
+
+
+def imported_test_modules(tree: ast.Module) -> list[tuple[int, str]]:
+    """What a module imports of a test module or conftest (by any name: `test_x`, `fast.test_x`, `from . import
+    test_x`), or of a name a test module would collect (`from support.x import test_y`)."""
+
+    def is_test(dotted: str) -> bool:
+        return any(part.startswith("test_") or part == "conftest" for part in dotted.split(".") if part)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if is_test(alias.name)]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            if is_test(base):
+                found.append((node.lineno, base))
+            else:
+                joined = [base + ("" if base.endswith(".") else ".") + a.name for a in node.names]
+                found += [(node.lineno, name) for name in joined if is_test(name)]
+    return found
+
+
+def suite_problems(tests: Path) -> list[str]:
+    """Test files outside a tier folder or in another tier's, and imports of a test module or conftest anywhere."""
+    found = []
+    for path in suite_files(tests):
+        rel = path.relative_to(tests)
+        tree = ast.parse(path.read_text("utf-8"), str(path))
+        for line, imported in imported_test_modules(tree):
+            rule = "a test module is never imported: what tests share is in support/, fixtures in conftest.py"
+            found.append(f"{rel}:{line} imports {imported}: {rule}")
+        if not path.name.startswith("test_"):
+            continue
+        folder = rel.parts[0] if len(rel.parts) > 1 else None
+        if folder not in {FAST, *(f for f, _ in TIER_FOLDERS)}:
+            found.append(
+                f"{rel} is in no tier's folder: put it in one of {sorted({FAST, *(f for f, _ in TIER_FOLDERS)})}"
+            )
+            continue
+        for name, line, marks in marked_tests(tree):
+            if folder_for(marks) != folder:
+                said = f"marked {', '.join(sorted(marks))}" if marks else "marked with no tier"
+                found.append(f"{rel}:{line} {name} is {said}: it belongs in tests/{folder_for(marks)}/")
+    return found
+
+
+def test_each_test_file_is_in_its_tiers_folder_and_no_test_module_is_imported() -> None:
+    found = suite_problems(TESTS)
+    assert not found, "\n".join(found)
+    placed = {path.relative_to(TESTS).parts[0] for path in suite_files(TESTS) if path.name.startswith("test_")}
+    assert placed == {FAST, *(folder for folder, _ in TIER_FOLDERS)}, placed  # the rule sees every folder's tests
+
+
+SERIAL_MODULE = "import pytest\n\npytestmark = pytest.mark.serial\n\n\ndef test_a():\n    pass\n"
+SUITE_PLANTED = [
+    ("fast/test_replay.py", "from fast.test_anthropic_messages import TOOLS\n", "imports fast.test_anthropic"),
+    ("fast/test_replay.py", "def lazy():\n    from test_proxy_sglang import agent\n", "imports test_proxy_sglang"),
+    ("full/test_fleet.py", "from . import test_crash_safety\n", "imports .test_crash_safety"),
+    ("fast/test_replay.py", "from support.basics import test_planted\n", "imports support.basics.test_planted"),
+    ("support/basics.py", "import conftest\n", "imports conftest"),
+    ("support/token_exact.py", "from conftest import tokenizer_path\n", "imports conftest"),
+    ("fast/test_replay.py", "@pytest.mark.full\ndef test_planted():\n    pass\n", "is marked full: it belongs"),
+    ("fast/test_planted.py", SERIAL_MODULE, "test_a is marked serial: it belongs in tests/full/"),
+    ("fast/test_replay.py", "class TestPlanted:\n    @pytest.mark.trainers\n    def test_a(self):\n        pass\n",
+     "TestPlanted.test_a is marked trainers: it belongs in tests/trainer_checks/"),
+    ("full/test_example_driver_runs.py", "def test_planted():\n    pass\n", "no tier: it belongs in tests/fast/"),
+    ("e2e/test_planted.py", "def test_a():\n    pass\n", "no tier: it belongs in tests/fast/"),
+    ("full/test_fleet.py", "@pytest.mark.e2e\ndef test_planted():\n    pass\n", "it belongs in tests/e2e/"),
+    ("test_planted.py", "def test_a():\n    pass\n", "test_planted.py is in no tier's folder"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("where", "source", "said"), SUITE_PLANTED, ids=[f"{w}:{s}" for w, _, s in SUITE_PLANTED])
+def test_a_planted_test_module_problem_is_caught(tmp_path: Path, where: str, source: str, said: str) -> None:
+    copy = tmp_path / "tests"
+    shutil.copytree(TESTS, copy, ignore=lambda folder, names: [n for n in names if n in SKIPPED_DIRS or (
+        not n.endswith(".py") and not (Path(folder) / n).is_dir())])  # fmt: skip
+    assert suite_problems(copy) == []
+    with (copy / where).open("a", encoding="utf-8") as planted:  # a new module, or appended to an existing one
+        planted.write(source)
+    found = suite_problems(copy)
     assert len(found) == 1 and said in found[0], found
