@@ -36,7 +36,8 @@ $(CLIS)/node_modules/.package-lock.json: $(CLIS)/package-lock.json
 demo: $(STAMP)
 	$(PY) -m tito_addon demo --record-dir build/demo-recordings
 
-# Every module and protocol, in parallel, without the `full` tier; hypothesis's `dev` profile.
+# Every module and protocol, in parallel, without the `full` tier (tests/fast/ by its markers); hypothesis's `dev`
+# profile.
 test: $(STAMP)
 	$(PY) -m pytest $(PARALLEL) -m 'not full and not e2e' $(REPORT)
 

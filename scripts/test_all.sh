@@ -2,10 +2,12 @@
 # `make test-all` (and CI): every test, in three groups, with hypothesis's `ci` profile.
 #   1. parallel: everything that may run beside another test (`not serial`), on pytest-xdist workers, while the
 #      real-vLLM environment installs in the background (downloads and unpacking, little CPU);
-#   2. serial: the tests that own the machine (the fleet, the real CLIs, crash and soak runs), one at a time;
-#   3. e2e: a real vLLM server on the CPU;
+#   2. serial: the tests that own the machine (the fleet, the real CLIs, crash and soak runs: tests/full/), one at a
+#      time;
+#   3. e2e: a real vLLM server on the CPU (tests/e2e/);
 #   4. trainers: verl's and slime's loaders in the trainer environment (verl from PyPI, the CPU torch), installed in
-#      the background after the vLLM one.
+#      the background after the vLLM one (tests/trainer_checks/).
+# The markers choose the tests; each folder holds its tier's (tests/fast/test_layers.py checks it).
 # Each group reports its 25 slowest tests; the last line adds up all three. A failed group does not stop the next.
 set -uo pipefail
 cd "$(dirname "$0")/.."

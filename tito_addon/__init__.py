@@ -6,7 +6,7 @@ or `python -m tito_addon [mitmdump args]`. This file works both as mitmproxy's s
 cached `tito_addon` modules, so a hot reload (touching this file) re-imports the whole package.
 
 The package is layered; each sub-package's `__init__` says what it owns and what it may import, and
-tests/test_layers.py holds the walls: `canonical_chat` and `tito_errors` (the ground) <- `engine`, `sessions`
+tests/fast/test_layers.py holds the walls: `canonical_chat` and `tito_errors` (the ground) <- `engine`, `sessions`
 <- `records`; `backends`, `protocols` <- `turns` <- `proxy`; `tools` over all of them; `replicas` apart.
 """
 

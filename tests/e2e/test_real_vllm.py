@@ -23,10 +23,10 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import TOOLS, cached_engine, tokenizer_path
-from proxy_harness import REPO, Mitmdump
-from test_parser_inputs import expected_seed
-from upstream_tap import UpstreamTap
+from support.basics import TOOLS, cached_engine, tokenizer_path
+from support.proxy_harness import REPO, Mitmdump
+from support.seed_reference import expected_seed
+from support.upstream_tap import UpstreamTap
 
 from tito_addon.records.record_reader import read_session_file
 

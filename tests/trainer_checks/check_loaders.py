@@ -1,4 +1,4 @@
-"""Run in the trainer environment (.venv-trainers, scripts/setup_trainers.sh) by tests/test_trainer_loaders.py: feed
+"""Run in the trainer environment (.venv-trainers, scripts/setup_trainers.sh) by test_trainer_loaders.py beside it: feed
 what tito_addon/trainers makes to verl's own code and torch's loader, and write what came out as JSON for the test.
 
     python check_loaders.py verl ROWS OUT.json OPTIONS_JSON     verl_batch, then verl's compute_advantage (GRPO)

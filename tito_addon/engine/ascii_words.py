@@ -11,7 +11,7 @@ tokenizer's added vocabulary does.
 Only the exact pipeline shape is accepted (NFC or no normalizer; a Split with an Isolated regex then a ByteLevel
 without its own regex; BPE without dropout or byte fallback; added tokens without strip or single-word rules; no
 truncation or padding), and only if it gives the Rust tokenizer's ids on probes built to disagree; anything else,
-and any text that is not ASCII, is the Rust tokenizer's to encode. `tests/test_ascii_words.py` holds it equal to
+and any text that is not ASCII, is the Rust tokenizer's to encode. `tests/fast/test_ascii_words.py` holds it equal to
 the Rust tokenizer on every golden and drift continuation and on generated text.
 
 The pattern's own split costs ~0.1 µs a piece, and Qwen's makes every digit a piece. So text is first cut before

@@ -1,5 +1,5 @@
 """What one addon's options mean to the others: each addon publishes here what it declared, and no addon reads
-another's options (`tests/test_layers.py`). Addons configure in the order `tito_addon/__init__.py` lists them, so a
+another's options (`tests/fast/test_layers.py`). Addons configure in the order `tito_addon/__init__.py` lists them, so a
 fact is published before the addons after its owner configure; one that an earlier addon needs is read when used.
 """
 

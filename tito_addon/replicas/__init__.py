@@ -12,6 +12,6 @@ vLLM bodies, and the harness that runs real processes on loopback (`proxy_proces
   the server; `vllm_config` and one module per endpoint: `vllm_render`, `vllm_generate`, `vllm_derender`).
 
 Replicas import nothing of the package except each other, so they stay independent of the code they test; one
-server's modules never import the other's, and the shared concepts import neither (`tests/test_layers.py`). Only
+server's modules never import the other's, and the shared concepts import neither (`tests/fast/test_layers.py`). Only
 `tools.demo_run` and `tools.cli` (its `reference-backend` subcommand) import them.
 """

@@ -1,0 +1,107 @@
+"""Lifecycle through a real mitmdump: restart and resume, script hot reload, torn lines, shutdown lines."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from support.basics import TOOLS, tokenizer_path, wait_until
+from support.chat_agent import agent, run_agent
+from support.proxy_harness import REPO, Mitmdump
+
+from tito_addon.records.record_reader import read_session_file
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+
+@pytest.fixture(scope="module")
+def replica():
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as running:
+        yield running
+
+
+def continue_conversation(proxy: Mitmdump, sid: str, messages: list[dict]) -> None:
+    agent(proxy, sid).chat.completions.create(model="reference-model", messages=messages, tools=TOOLS)
+
+
+def test_a_restarted_proxy_resumes_a_named_session_from_disk(replica, tmp_path: Path) -> None:
+    record_dir = tmp_path / "rec"
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as first:
+        messages, _ = run_agent(agent(first, "resume-me"), 3)
+    path = record_dir / "resume-me.jsonl"
+    assert json.loads(path.read_text().splitlines()[-1])["reason"] == "shutdown"
+    # A crash left a torn line behind: it must be skipped, not merged with the next line.
+    with path.open("a") as handle:
+        handle.write('{"schema": "tito.turn.v1", "session_id": "resume-me", "turn_id": 3, "prompt_add')
+    replica.backend.reset()
+    with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as second:
+        continue_conversation(second, "resume-me", messages)
+    recorded = read_session_file(path)
+    assert len(recorded.skipped_lines) == 1
+    assert [t.turn_id for t in recorded.turns] == [0, 1, 2, 4]
+    assert [t.parent_turn_id for t in recorded.turns] == [None, 0, 1, 2]
+    ids = recorded.full_ids()
+    stored = ids[2][0] + ids[2][1]
+    assert ids[4][0][: len(stored)] == stored
+    assert replica.received()[0]["input_ids"] == ids[4][0]
+
+
+def test_hot_reload_of_the_script_keeps_serving(replica, tmp_path: Path) -> None:
+    """mitmdump reloads a touched script; the reloaded addon keeps extending a named session."""
+    package = tmp_path / "copy" / "tito_addon"
+    package.parent.mkdir()
+    import shutil
+
+    shutil.copytree(REPO / "tito_addon", package, ignore=shutil.ignore_patterns("__pycache__"))
+    record_dir = tmp_path / "rec"
+    proxy = Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path)
+    proxy.argv[proxy.argv.index("-s") + 1] = str(package / "__init__.py")
+    with proxy:
+        messages, _ = run_agent(agent(proxy, "reload"), 2)
+        time.sleep(1.1)  # mtime granularity
+        (package / "__init__.py").write_text((package / "__init__.py").read_text() + "\n# touched\n")
+        deadline = time.monotonic() + 30
+        while (
+            proxy.output().count("Loading script") < 2
+            or "tito: sglang backend" not in proxy.output().split("Loading script")[-1]
+        ):
+            assert time.monotonic() < deadline, proxy.output()[-3000:]
+            time.sleep(0.2)
+        continue_conversation(proxy, "reload", messages)
+        assert "Traceback" not in proxy.output(), proxy.output()[-3000:]
+    recorded = read_session_file(record_dir / "reload.jsonl")
+    assert [t.parent_turn_id for t in recorded.turns] == [None, 0, 1]
+
+
+def test_an_agent_that_hangs_up_mid_turn_cancels_it_and_nothing_is_recorded(tmp_path: Path) -> None:
+    import http.client
+
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), latency_s=2.0)
+    record_dir = tmp_path / "rec"
+    with (
+        ReplicaThread(config) as slow,
+        Mitmdump(slow.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as proxy,
+    ):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+        connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        connection.request(
+            "POST", "/v1/chat/completions", body, {"x-session-id": "gone", "content-type": "application/json"}
+        )
+        assert wait_until(lambda: len(slow.received()) == 1), "the turn reached the backend"
+        connection.sock.close()  # hang up while the backend is still generating (2 s from the turn's arrival)
+        time.sleep(3.0)  # past the backend's answer: whatever the proxy would record of it is on disk by now
+        assert not (record_dir / "gone.jsonl").exists(), "a turn nobody received was recorded"
+        assert "Traceback" not in proxy.output()
+
+
+def test_the_proxy_starts_in_a_shell_without_pythonunbuffered(replica, tmp_path: Path, monkeypatch) -> None:
+    """A newcomer's shell has no PYTHONUNBUFFERED: `make demo`'s mitmdump must still report its port at once, not
+    hold its log in a pipe's block buffer until it exits."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    proxy = Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path)
+    try:
+        proxy.start(timeout=45)
+        assert proxy.port is not None and proxy.proc is not None and proxy.proc.poll() is None
+    finally:
+        proxy.stop()
