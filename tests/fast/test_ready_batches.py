@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.basics import examples
 
 from tito_addon.proxy.live_stream_server import ready_batches
 
