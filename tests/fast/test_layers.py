@@ -32,6 +32,7 @@ conftest.py: what tests share is in `support/`.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import os
 import shutil
@@ -147,26 +148,53 @@ def layer_of(module: str, root: Path) -> str:
     return parts[1] if (root / parts[1]).is_dir() else GROUND
 
 
+@functools.cache
+def parsed(text: str) -> ast.Module:
+    """A module's tree, read once per text: the planted-problem tests scan copies of a tree that differ in one file,
+    and parsing every file again for each of them was most of this module's time. (The trees are only read.)"""
+    return ast.parse(text)
+
+
+def parsed_file(path: Path) -> ast.Module:
+    text = path.read_text("utf-8")
+    try:
+        return parsed(text)
+    except SyntaxError:
+        return ast.parse(text, str(path))  # raised again, naming the file
+
+
+@functools.cache
+def import_statements(text: str) -> tuple[tuple[int, str | None, tuple[str, ...]], ...]:
+    """Each import in a module's source, anywhere in it: (level, module, names), level -1 for `import x`."""
+    out = []
+    for node in ast.walk(parsed(text)):
+        if isinstance(node, ast.Import):
+            out.append((-1, None, tuple(alias.name for alias in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            out.append((node.level, node.module, tuple(alias.name for alias in node.names)))
+    return tuple(out)
+
+
 def imports_of(path: Path, module: str, root: Path) -> list[str]:
     """Every module this file imports, anywhere in it (functions and TYPE_CHECKING blocks too), made absolute."""
-    tree = ast.parse(path.read_text("utf-8"), str(path))
+    parsed_file(path)  # a file that does not parse fails here, by its name
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            # `from tito_addon import engine` imports the sub-package `engine`, `from tito_addon.replicas import
-            # faults` the module `faults`.
-            for alias in node.names:
-                named = f"{target}.{alias.name}"
-                found.append(named if target == "tito_addon" or is_module(named, root) else target)
+    for level, name, names in import_statements(path.read_text("utf-8")):
+        if level == -1:
+            found += names
+            continue
+        if level:
+            base = package.split(".")
+            base = base[: len(base) - (level - 1)]
+            target = ".".join(base + ([name] if name else []))
+        else:
+            target = name or ""
+        # `from tito_addon import engine` imports the sub-package `engine`, `from tito_addon.replicas import
+        # faults` the module `faults`.
+        for alias in names:
+            named = f"{target}.{alias}"
+            found.append(named if target == "tito_addon" or is_module(named, root) else target)
     return found
 
 
@@ -217,7 +245,7 @@ def test_every_layer_is_a_sub_package_with_its_own_docstring() -> None:
             continue
         init = PACKAGE / layer / "__init__.py"
         assert init.is_file(), f"{layer}/ has no __init__.py"
-        docstring = ast.get_docstring(ast.parse(init.read_text("utf-8")))
+        docstring = ast.get_docstring(parsed_file(init))
         assert docstring and "import" in docstring, f"{layer}/__init__.py must say what it owns and may import"
     subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert subpackages == set(ALLOWED) - {GROUND, ENTRY}
@@ -271,7 +299,7 @@ def long_without_a_reason(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         text = path.read_text("utf-8")
         lines = text.count("\n")
-        if lines > MAX_LINES and LONG_REASON not in (ast.get_docstring(ast.parse(text)) or ""):
+        if lines > MAX_LINES and LONG_REASON not in (ast.get_docstring(parsed(text)) or ""):
             found.append(f"{path.relative_to(root.parent)} has {lines} lines and no '{LONG_REASON}'")
     return found
 
@@ -299,7 +327,7 @@ def packed_under_fmt_skip(path: Path) -> list[int]:
     text = path.read_text("utf-8")
     lines = text.splitlines()
     found = []
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(parsed(text)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             args = node.args
             count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
@@ -450,7 +478,7 @@ def settings_options(root: Path) -> set[str]:
 def options_of(path: Path, root: Path) -> tuple[set[str], set[str], list[int]]:
     """What a module declares (`add_option("tito_…")`, or the settings' options through `declare_options`), the
     `tito_*` options it reads off mitmproxy's options, and the lines where it reads one by a computed name."""
-    tree = ast.parse(path.read_text("utf-8"))
+    tree = parsed_file(path)
     declared: set[str] = set()
     read: set[str] = set()
     computed: list[int] = []
@@ -604,7 +632,7 @@ def suite_problems(tests: Path) -> list[str]:
     found = []
     for path in suite_files(tests):
         rel = path.relative_to(tests)
-        tree = ast.parse(path.read_text("utf-8"), str(path))
+        tree = parsed_file(path)
         for line, imported in imported_test_modules(tree):
             rule = "a test module is never imported: what tests share is in support/, fixtures in conftest.py"
             found.append(f"{rel}:{line} imports {imported}: {rule}")
