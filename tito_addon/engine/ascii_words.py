@@ -21,12 +21,12 @@ each run (` item`, ` 7919:`) is remembered whole: a run seen before costs one lo
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import tokenizers
 
 logger = logging.getLogger(__name__)
@@ -250,13 +250,25 @@ class AsciiWords:
         return pieces
 
 
+_serialized: tuple[tokenizers.Tokenizer, str] | None = None
+
+
+def tokenizer_json(tokenizer: tokenizers.Tokenizer) -> str:
+    """The tokenizer's whole pipeline as JSON (several MB): written once for the last tokenizer asked about, since
+    reading its shape here and fingerprinting it for the records each took a quarter of a proxy's start."""
+    global _serialized
+    if _serialized is None or _serialized[0] is not tokenizer:
+        _serialized = (tokenizer, tokenizer.to_str())
+    return _serialized[1]
+
+
 def ascii_words(tokenizer: tokenizers.Tokenizer | None) -> AsciiWords | None:
     """The ASCII encoder for `tokenizer`, or None where its pipeline is not the shape this module reproduces."""
     if tokenizer is None or tokenizer.truncation is not None or tokenizer.padding is not None:
         return None
     try:
-        config: dict[str, Any] = json.loads(tokenizer.to_str())
-    except (ValueError, TypeError):
+        config: dict[str, Any] = orjson.loads(tokenizer_json(tokenizer))
+    except (ValueError, TypeError):  # (orjson.JSONDecodeError is a ValueError)
         return None
     normalizer = config.get("normalizer")
     if normalizer not in (None, {"type": "NFC"}) and normalizer != {"type": "Sequence", "normalizers": []}:

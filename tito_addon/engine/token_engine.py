@@ -21,6 +21,7 @@ import orjson
 import tokenizers
 
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.engine.ascii_words import tokenizer_json
 from tito_addon.engine.model_families import ModelFamily, suggest_family
 from tito_addon.engine.role_pieces import RolePieces
 from tito_addon.engine.template_messages import template_message
@@ -411,7 +412,7 @@ class TokenEngine:
     def _tokenizer_sha256(self) -> str:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            return hashlib.sha256(backend.to_str().encode()).hexdigest()
+            return hashlib.sha256(tokenizer_json(backend).encode()).hexdigest()
         vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False)
         return hashlib.sha256(vocab.encode()).hexdigest()
 
