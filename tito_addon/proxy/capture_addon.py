@@ -18,6 +18,7 @@ from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.utils import asyncio_utils
 from pydantic import ValidationError
 
+from tito_addon.protocols.agent_api import Route
 from tito_addon.protocols.http_reply import HttpReply, json_reply, refusal_reply
 from tito_addon.protocols.routing import is_agent_path
 from tito_addon.proxy.episode_naming import EPISODE
@@ -91,14 +92,17 @@ class TitoAddon:
         base_url = self.backend_base_url(flow) if self.wiring.settings is not None else None
         if self.wiring.settings is not None and base_url is None:
             return  # not a backend host: this flow is none of our business
-        if flow.request.method != "POST" or not is_agent_path(path):
+        service = self.wiring.service
+        # The path is matched here once; an unconfigured addon still knows an agent's path, to refuse it.
+        route = service.route(path) if service is not None and flow.request.method == "POST" else None
+        if flow.request.method != "POST" or (route is None and (service is not None or not is_agent_path(path))):
             if path.startswith("/sessions/"):
                 flow.request.path = strip_session_prefix(path)
             return
         try:
             reply = self._refuse_ambiguous_session(flow)
             if reply is None:
-                reply = await self._serve_cancellable(flow, base_url)
+                reply = await self._serve_cancellable(flow, base_url, route)
             if isinstance(reply, LiveStream):
                 await self._relay(flow, reply)
                 return
@@ -155,12 +159,15 @@ class TitoAddon:
             self.live.abandon(live)  # never relayed (its agent left first), or relayed already: no-op
         self.response(flow)
 
-    async def _serve_cancellable(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | LiveStream | None:
+    async def _serve_cancellable(
+        self, flow: http.HTTPFlow, base_url: str | None, route: Route | None
+    ) -> HttpReply | LiveStream | None:
         """Serve the turn as a task that a client disconnect cancels (None then): mitmproxy keeps running a
         request hook after its client has gone, and a turn nobody receives must not be recorded."""
         # Awaited right here and held in `_turns`, so neither mitmproxy's keep-alive set nor its debug info (an
         # environment lookup per task) is needed.
-        task: asyncio.Task[HttpReply | LiveStream] = asyncio.create_task(self._serve(flow, base_url), name="tito-turn")
+        serving = self._serve(flow, base_url, route)
+        task: asyncio.Task[HttpReply | LiveStream] = asyncio.create_task(serving, name="tito-turn")
         turns = self._turns.setdefault(flow.client_conn.id, set())
         turns.add(task)
         try:
@@ -178,8 +185,8 @@ class TitoAddon:
         for task in self._turns.pop(client.id, set()):
             task.cancel()
 
-    async def _serve(self, flow: http.HTTPFlow, base_url: str | None) -> HttpReply | LiveStream:
-        if self.wiring.service is None:
+    async def _serve(self, flow: http.HTTPFlow, base_url: str | None, route: Route | None) -> HttpReply | LiveStream:
+        if self.wiring.service is None or route is None:
             message = "tito_addon is not configured: set tito_tokenizer; nothing was forwarded"
             return refusal_reply(TitoError(message, status=503))
         try:
@@ -189,7 +196,7 @@ class TitoAddon:
         headers = folded_headers(flow.request.headers)
         assert base_url is not None  # request() only serves flows to backend hosts
         episode = flow.metadata.get(EPISODE)
-        return await self.wiring.service.serve(flow.request.path, headers, body, base_url, episode)
+        return await self.wiring.service.serve(flow.request.path, headers, body, base_url, episode, route=route)
 
     def done(self) -> None:
         self.wiring.close_all("shutdown")  # this process's own sessions; shared ones live on in their store

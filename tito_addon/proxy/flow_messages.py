@@ -20,19 +20,15 @@ _MAKE_HANDLES = frozenset({"content-encoding", "transfer-encoding", "content-len
 
 
 def folded_headers(headers: http.Headers) -> dict[str, str]:
-    """`dict(headers.items())`: names match as mitmproxy matches them (bytes, ASCII case folded); a repeated one
-    keeps its first spelling and its values are joined with ", ", as `Headers.__getitem__` folds them."""
-    spelled: dict[bytes, str] = {}
+    """`dict(headers.items())` with lower-case names, the one normalisation a turn's headers get: names match as
+    mitmproxy matches them (bytes, ASCII case folded), and a repeated one's values are joined with ", " in the order
+    of their fields, as `Headers.__getitem__` folds them."""
     folded: dict[str, str] = {}
     for raw_name, raw_value in headers.fields:
         value = raw_value.decode("utf-8", "surrogateescape")
-        key = raw_name.lower()
-        name = spelled.get(key)
-        if name is None:
-            spelled[key] = name = raw_name.decode("utf-8", "surrogateescape")
-            folded[name] = value
-        else:
-            folded[name] += ", " + value
+        name = raw_name.lower().decode("utf-8", "surrogateescape")
+        known = folded.get(name)
+        folded[name] = value if known is None else known + ", " + value
     return folded
 
 

@@ -120,17 +120,17 @@ class TurnService:
         episode: str | None = None,
         *,
         live: bool = True,
+        route: Route | None = None,
     ) -> HttpReply | LiveStream:
         """Serve one agent request, read once: answered whole, or (it asks for a stream, `live`, and the backend streams
         exact ids) opened as a live stream once the backend's first chunk is in. Never raises: every outcome is a reply
         in the agent's own API, or the open stream. `episode`: the session a rollout driver named through the proxy
         (its user name or API key), used unless the request's `/sessions/{id}/` path names one (it wins over the
-        session header)."""
-        route = self.route(path)
+        session header). `headers`: names in lower case. `route`: the path's route, where the caller matched it."""
+        route = route or self.route(path)
         if route is None:
             return json_reply(400, BadRequest(f"not an agent API path: {path}; nothing was forwarded").body())
         try:
-            headers = {k.lower(): v for k, v in headers.items()}
             await self.sweep_inline()
             prepared = await self.prepare("", headers, body, base_url, route, episode)
             if route.action == "count_tokens":
