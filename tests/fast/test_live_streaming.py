@@ -98,6 +98,13 @@ def test_errors_before_the_first_chunk_keep_their_status(stack) -> None:
     response = post(proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": session})
     assert response.status_code == 400
     assert records(record_dir, session) == ([], {})
+    # The stream was open (its relay connected) before the failure came: the agent still reads what a whole turn's
+    # failure answers.
+    replica.set_faults(["render:http400"])
+    whole = post(proxy.url + "/v1/chat/completions", json={**body, "stream": False}, headers={"x-session-id": session})
+    assert (whole.status_code, whole.json()) == (response.status_code, response.json())
+    assert response.headers["content-type"] == whole.headers["content-type"]
+    assert records(record_dir, session) == ([], {})
 
 
 def test_a_failure_mid_stream_ends_with_an_error_event_and_records_nothing(stack) -> None:
@@ -154,6 +161,36 @@ def test_an_agent_that_hangs_up_cancels_the_generation_and_nothing_is_recorded(s
     assert follow.status_code == 200
     turns, _ = records(record_dir, session)
     assert [t.turn_id for t in turns] == [0]
+
+
+def test_an_agent_that_hangs_up_before_the_first_chunk_cancels_the_generation_at_once(tmp_path: Path) -> None:
+    """The agent's connection to the relay is made while the backend is still before its first chunk (the relay's
+    setup overlaps the prefill): an agent that hangs up then stops the generation at once, not once that chunk comes,
+    and nothing is recorded."""
+    first_chunk_s = 4.0  # the first chunk waits for its derender this long
+    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), stream_delay_s=0.05, derender_delay_s=first_chunk_s)
+    with VllmReplicaThread(config) as replica, vllm_proxy(replica.url, tmp_path / "rec", tmp_path) as proxy:
+        session = f"early-gone-{uuid.uuid4().hex[:6]}"
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                           "stream": True, "max_tokens": 200})  # fmt: skip
+        connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        connection.request(
+            "POST", "/v1/chat/completions", body, {"content-type": "application/json", "x-session-id": session}
+        )
+        deadline = time.monotonic() + 10
+        while (
+            not any(path.endswith("/generate") for path, _ in replica.backend.received_copy())
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.02)
+        time.sleep(0.3)  # the generation streams on; its first derender is pending
+        connection.sock.close()
+        hung_up = time.monotonic()
+        while replica.backend.cancelled_streams == 0 and time.monotonic() < hung_up + 2 * first_chunk_s:
+            time.sleep(0.02)
+        assert replica.backend.cancelled_streams == 1 and replica.backend.completed_streams == 0
+        assert time.monotonic() - hung_up < first_chunk_s / 2
+        assert records(tmp_path / "rec", session) == ([], {})
 
 
 def test_backends_that_cannot_stream_exact_ids_get_a_reframed_stream(tmp_path: Path) -> None:

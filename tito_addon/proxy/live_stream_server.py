@@ -1,12 +1,13 @@
 """A loopback-only HTTP server inside mitmdump's event loop that relays live turns to agents.
 
 mitmproxy sends a response set by an addon in one piece, so a token-by-token stream cannot be answered from the
-request hook. The turn service opens the stream in that hook (the request read once, the backend's first chunk in);
-the addon parks it here under an unguessable token and points the flow at this server, with an empty body; with
-`flow.response.stream` on, mitmproxy relays the chunks as they are written. This server only pipes: a write that
-fails means the agent went away, and the stream is closed, which closes the upstream request, and nothing is
-recorded. A parked stream whose flow never arrives (its agent left before mitmproxy connected here) is closed after
-`PARKED_S`, or at once when the flow errs.
+request hook. The turn service opens the stream in that hook (the request read once, sent on to the backend); the
+addon parks it here under an unguessable token and points the flow at this server, with an empty body; with
+`flow.response.stream` on, mitmproxy relays the chunks as they are written. The backend's prefill runs while
+mitmproxy connects here; a turn that fails before its first chunk is answered whole, with the reply the turn service
+made. This server only pipes: a write that fails means the agent went away, and the stream is closed, which closes
+the upstream request, and nothing is recorded. A parked stream whose flow never arrives (its agent left before
+mitmproxy connected here) is closed after `PARKED_S`, or at once when the flow errs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Parked:
 class LiveStreamServer:
     def __init__(self) -> None:
         self.jobs: dict[str, Parked] = {}
+        # The relays under way, by token: a flow that errs (its agent left) stops its relay at once, even while the
+        # backend's first chunk is still to come.
+        self._relays: dict[str, asyncio.Task[Any]] = {}
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
         self._starting = asyncio.Lock()
@@ -70,9 +74,14 @@ class LiveStreamServer:
         return PATH_PREFIX + token
 
     def abandon(self, path: str) -> None:
-        """The flow of a parked stream will not come (it erred, or never arrived): close the stream."""
-        parked = self.jobs.pop(path.removeprefix(PATH_PREFIX), None)
+        """The flow of a stream erred, or never arrived: close the stream, parked or being relayed."""
+        token = path.removeprefix(PATH_PREFIX)
+        parked = self.jobs.pop(token, None)
         if parked is None:
+            relay = self._relays.pop(token, None)
+            if relay is not None:
+                self.disconnects += 1
+                relay.cancel()  # its own close runs as the cancel unwinds it
             return
         if parked.expiry is not None:
             parked.expiry.cancel()
@@ -88,11 +97,25 @@ class LiveStreamServer:
             return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
         if parked.expiry is not None:
             parked.expiry.cancel()
-        return await self._relay(request, parked.stream, parked.on_commit)
+        token = request.match_info["token"]
+        relay = asyncio.current_task()
+        if relay is not None:
+            self._relays[token] = relay
+        try:
+            return await self._relay(request, parked.stream, parked.on_commit)
+        finally:
+            self._relays.pop(token, None)
 
     async def _relay(
         self, request: web.Request, stream: LiveStream, on_commit: Callable[[dict[str, Any]], None]
     ) -> web.StreamResponse:
+        try:
+            failure = await stream.opened()
+        except BaseException:
+            await stream.aclose()
+            raise
+        if failure is not None:
+            return web.Response(status=failure.status, body=failure.body, headers=failure.headers)
         response = web.StreamResponse(status=200, headers=stream.headers)
         chunks = stream.chunks()
         batches = ready_batches(chunks)

@@ -3,16 +3,22 @@
 The stream knows nothing of sessions: it is handed the turn's run, whose commit it runs on the backend's last event
 and whose claim it releases however it ends, so the turn service keeps every state change in one place (the same
 steps as a whole turn's).
+
+It opens while the shell connects the agent to it: the backend's first event is pulled from the moment the stream is
+made, so the request is on its way to the backend (and the backend at its prefill) while mitmproxy makes its second
+exchange, with the relay. A failure before that first event is answered as a whole turn's would be (`opened`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tito_addon.backends.backend_protocol import StreamEnd
-from tito_addon.tito_errors import TitoError, UpstreamPassthrough
+from tito_addon.protocols.http_reply import HttpReply
+from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough
 from tito_addon.turns.turn_run import TurnRun
 
 logger = logging.getLogger(__name__)
@@ -27,22 +33,45 @@ class LiveStream:
     def __init__(
         self,
         events: AsyncIterator[dict[str, Any] | StreamEnd],
-        first: dict[str, Any] | StreamEnd,
         run: TurnRun,
+        failure_reply: Callable[[BaseException], HttpReply],
     ) -> None:
-        self.events, self.first, self.run = events, first, run
+        """`failure_reply`: the whole reply, in the agent's API, of a turn that failed before its first event."""
+        self.events, self.run = events, run
         self.responder = run.responder
         self.headers = {**run.responder.stream_headers, "x-tito-stream": "live"}
         self.metadata: dict[str, Any] = {}
+        self._failure_reply = failure_reply
+        self._first: asyncio.Future[dict[str, Any] | StreamEnd] = asyncio.ensure_future(anext(events))
+        self.first: dict[str, Any] | StreamEnd | None = None
+
+    async def opened(self) -> HttpReply | None:
+        """None once the backend's first event is in; else the reply to a failure before it (the stream closed,
+        nothing recorded), the same as a whole turn's."""
+        try:
+            self.first = await self._first
+            return None
+        except StopAsyncIteration:
+            failure: Exception = UpstreamMalformed("backend stream ended before its first chunk")
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the API's own error reply
+            failure = exc
+        await self.aclose()
+        return self._failure_reply(failure)
 
     async def aclose(self) -> None:
         """Close a stream that will never be relayed (its agent went away first): the upstream request, the claim."""
         try:
+            if not self._first.done():
+                self._first.cancel()
+            # (An outcome no one will read is taken here, so asyncio does not report it as never retrieved.)
+            await asyncio.gather(self._first, return_exceptions=True)
             await self.events.aclose()
         finally:
             await self.run.release()
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The agent's stream, once `opened` said it is."""
+        assert self.first is not None
         responder = self.responder
         try:
             start = responder.stream_start()

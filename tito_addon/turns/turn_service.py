@@ -9,6 +9,7 @@ A whole reply and a live stream are the same steps (`TurnRun`) with a different 
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
@@ -32,7 +33,7 @@ from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.session_ids import session_id_problem
 from tito_addon.sessions.session_space import Claim, SessionSpace
 from tito_addon.sessions.session_tree import Attachment
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed
+from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.turns.completion_budget import fit_completion_budget
 from tito_addon.turns.episode_places import EpisodePlace, Follows, continuation_place, interrupted_call
 from tito_addon.turns.live_stream import LiveStream
@@ -123,8 +124,9 @@ class TurnService:
         route: Route | None = None,
     ) -> HttpReply | LiveStream:
         """Serve one agent request, read once: answered whole, or (it asks for a stream, `live`, and the backend streams
-        exact ids) opened as a live stream once the backend's first chunk is in. Never raises: every outcome is a reply
-        in the agent's own API, or the open stream. `episode`: the session a rollout driver named through the proxy
+        exact ids) a live stream, opening: its request on the way to the backend, which a failure before the first
+        chunk answers whole (`LiveStream.opened`). Never raises: every outcome is a reply in the agent's own API, or
+        the stream. `episode`: the session a rollout driver named through the proxy
         (its user name or API key), used unless the request's `/sessions/{id}/` path names one (it wins over the
         session header). `headers`: names in lower case. `route`: the path's route, where the caller matched it."""
         route = route or self.route(path)
@@ -292,8 +294,8 @@ class TurnService:
         return reply
 
     async def _open_stream(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> LiveStream:
-        """The turn's live stream once the backend's first chunk is in; a failure before that raises, to be answered
-        as a whole turn's would be. Nothing is committed unless the backend finishes the turn."""
+        """The turn's live stream, its first backend event on the way (`LiveStream.opened`). Nothing is committed
+        unless the backend finishes the turn."""
         run = await self.start(prepared, headers, base_url)
         try:
             await self.fit(run)
@@ -301,15 +303,7 @@ class TurnService:
         except BaseException:
             await run.release()
             raise
-        try:
-            first = await anext(events)
-        except BaseException as exc:
-            await events.aclose()
-            await run.release()
-            if isinstance(exc, StopAsyncIteration):
-                raise UpstreamMalformed("backend stream ended before its first chunk") from None
-            raise
-        return LiveStream(events, first, run)
+        return LiveStream(events, run, functools.partial(error_reply, prepared.route.api))
 
     async def start(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> TurnRun:
         """Claim the turn's place in its session and make its responder: the turn is in flight until released."""
