@@ -168,6 +168,56 @@ def test_whatever_follows_a_known_prefix_reads_as_the_whole_body(style: str, fra
         API.known_requests, API.known_messages = original
 
 
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    st.sampled_from(list(WRITERS)),
+    st.lists(st.sampled_from(FRAGMENTS + SPACED_FRAGMENTS), max_size=8),
+    st.sampled_from([",", ", ", "]", ""]),
+)
+def test_a_body_that_ends_with_the_known_requests_tail_reads_as_the_whole_body(
+    style: str, fragments: list[str], first: str
+) -> None:
+    """The members after the messages (tools, sampling) sent again byte for byte are not parsed again: whatever
+    comes between the known messages and that tail, the body reads as its whole parse does."""
+    prior = WRITERS[style]({"model": "m", "messages": [SYSTEM, {"role": "user", "content": "Weather in Zürich?"}],
+                            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"a": [1.5]}}}],
+                            "temperature": 0.5})  # fmt: skip
+    end = prior.rindex(b"]", 0, prior.index(b'"tools"'))  # the messages' closing bracket
+    data = prior[:end] + (first + "".join(fragments)).encode() + prior[end:]
+    requests, messages = KnownRequests(1 << 20, min_prefix=0), KnownMessages()
+    original = API.known_requests, API.known_messages
+    try:
+        API.known_requests, API.known_messages = requests, messages
+        API.parse_request(prior)
+        extension = requests.extend(data)
+        with_memo = read(data)
+        API.known_requests, API.known_messages = KnownRequests(0), KnownMessages(budget_bytes=0)
+        assert with_memo == read(data), data
+        if extension is not None:
+            assert extension.obj == json.loads(data)
+    finally:
+        API.known_requests, API.known_messages = original
+
+
+def test_a_repeated_tail_is_read_without_parsing_it_again(
+    known: KnownRequests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bodies = session(0, 2)
+    API.parse_request(bodies[0])
+    extension = known.extend(bodies[1])
+    assert extension is not None and extension.only_appended_new
+    assert extension.obj == json.loads(bodies[1])
+    # Another tail after the same messages: read the general way, as its whole parse.
+    changed = bodies[1].replace(b'"temperature":0.5', b'"temperature":0.7')
+    other = known.extend(changed)
+    assert other is not None and not other.only_appended_new and other.obj == json.loads(changed)
+    # A message appended too deep is still refused, in the whole parse's words.
+    cut = bodies[1].rindex(b'],"temperature"')
+    deep = bodies[1][:cut] + b',{"role":"user","content":"x","n":' + b"[" * 200 + b"]" * 200 + b"}" + bodies[1][cut:]
+    assert known.extend(deep) is not None
+    assert isinstance(read(deep), str) and read(deep) == read_whole(deep, monkeypatch)
+
+
 @pytest.mark.parametrize(
     "after",
     [

@@ -38,17 +38,19 @@ def backend_extensions(raw: dict[str, Any]) -> dict[str, Any]:
     return {name: raw[name] for name in BACKEND_EXTENSIONS if name in raw}
 
 
-def with_known_chat(chat_body: dict[str, Any], found: list[ChatMessage | None], *, walked: bool) -> ChatRequest | None:
+def with_known_chat(
+    chat_body: dict[str, Any], found: list[ChatMessage | None], *, walked: bool, rest_walked: bool = False
+) -> ChatRequest | None:
     """The chat form validated with each message that `found` holds (validated on an earlier turn) taken as it was;
     None when there is none, or when it is refused (the whole validation then says why, exactly as always).
     `walked`: the body's JSON bounds were checked already (a translation); else the new messages' are, each at its
-    depth in the request."""
+    depth in the request, with the other members unless `rest_walked` (they are a known request's own)."""
     if not any(found):
         return None
     messages = chat_body["messages"]
     if not walked:
         new = [raw for raw, message in zip(messages, found, strict=True) if message is None]
-        if json_value_problem({**chat_body, "messages": new}) is not None:
+        if json_value_problem({"messages": new} if rest_walked else {**chat_body, "messages": new}) is not None:
             return None
     mixed = [raw if message is None else message for raw, message in zip(messages, found, strict=True)]
     try:

@@ -47,6 +47,10 @@ ENTRY_OVERHEAD = 1024  # the entry, its index slot and its tuples' headers
 @dataclass(slots=True, eq=False)
 class KnownRequest:
     prefix: memoryview  # the body up to the end of its last message (or of one before it)
+    # The body from the `]` that closes its messages, and the members that follow, as parsed: a later body that ends
+    # with the same bytes (the system prompt and tools sent again) is read without parsing them again.
+    tail: memoryview
+    after: dict[str, Any]
     style: JsonStyle  # how its client writes JSON: what it appends next is read in the same style
     before: dict[str, Any]  # the members sent before the messages, as parsed
     raw_messages: tuple[Any, ...]
@@ -70,6 +74,9 @@ class Extension:
     known: KnownRequest
     obj: dict[str, Any]  # the whole request, as parsing all of it gives
     appended: list[Any]  # the raw messages after the known ones
+    # Every member but the appended messages is the known request's own, values and all: its JSON bounds were
+    # checked when that request was read, so only the appended messages' are still to check.
+    only_appended_new: bool = False
 
 
 def anchor_of(body: bytes, end: int) -> tuple[int, bytes]:
@@ -195,7 +202,12 @@ class KnownRequests:
             return
         view = memoryview(body)
         group = [False]
-        whole = KnownRequest(view[:end], style, before, tuple(raw_messages), state, anchor_of(body, end), 3, group)
+        names = list(obj)
+        after = {name: obj[name] for name in names[names.index(self.member) + 1 :]}
+        tail = view[end:]
+        whole = KnownRequest(
+            view[:end], tail, after, style, before, tuple(raw_messages), state, anchor_of(body, end), 3, group
+        )
         self._add(whole)
         if cut is None:
             return
@@ -207,7 +219,11 @@ class KnownRequests:
             if count < 1 or end < self.min_prefix or body[end : end + len(separator)] != separator:
                 break
             shorter = tuple(raw_messages[:count])
-            self._add(KnownRequest(view[:end], style, before, shorter, cut(count), anchor_of(body, end), 1, group))
+            self._add(
+                KnownRequest(
+                    view[:end], tail, after, style, before, shorter, cut(count), anchor_of(body, end), 1, group
+                )
+            )
 
     def _add(self, known: KnownRequest) -> None:
         if known.footprint > self.budget_bytes:
@@ -244,6 +260,10 @@ def _read_rest(body: bytes, known: KnownRequest, member: str) -> Extension | Non
     comma = body[end] == 0x2C
     if comma and body[end : end + len(separator)] != separator:
         return None
+    if len(body) - len(known.tail) >= end and body.endswith(known.tail):
+        same_tail = _read_appended(body, known, member, comma)
+        if same_tail is not None:
+            return same_tail
     # A message, or `]`, then the members after the messages, read as one object in the known request's style.
     text = b"{" + opening_of(member, known.style) + (body[end + len(separator) :] if comma else body[end:])
     try:
@@ -264,3 +284,25 @@ def _read_rest(body: bytes, known: KnownRequest, member: str) -> Extension | Non
             return None  # a member sent twice: the strict parse refuses it
         obj[name] = value
     return Extension(known, obj, appended)
+
+
+def _read_appended(body: bytes, known: KnownRequest, member: str, comma: bool) -> Extension | None:
+    """`body` read as the known request with messages appended, where it ends with that request's own tail: what
+    comes between is then a list of messages in its style, and the body is that style's writing of the object
+    these make, which is what parsing all of it gives. None: read it the general way."""
+    end, stop = len(known.prefix), len(body) - len(known.tail)
+    appended: Any = []
+    if comma:
+        text = b"[" + body[end + len(known.style.item_separator) : stop] + b"]"
+        try:
+            appended = orjson.loads(text)
+        except Exception:  # whatever orjson refuses, the general way decides
+            return None
+        if type(appended) is not list or not appended or known.style.dumps(appended) != text:
+            return None
+    elif stop != end:
+        return None
+    obj = dict(known.before)
+    obj[member] = [*known.raw_messages, *appended]
+    obj.update(known.after)
+    return Extension(known, obj, appended, only_appended_new=True)

@@ -122,7 +122,10 @@ class ChatCompletionsApi:
         memo = self.known_messages
         encodings = [memo.encoding(raw) for raw in new]
         found = [*prior, *(memo.find(encoded, raw) for encoded, raw in zip(encodings, new, strict=True))]
-        request = with_known_chat(obj, found, walked=False) or validated(ChatRequest, obj, "chat request")
+        rest_walked = extension is not None and extension.only_appended_new
+        request = with_known_chat(obj, found, walked=False, rest_walked=rest_walked) or validated(
+            ChatRequest, obj, "chat request"
+        )
         appended = request.messages[len(prior) :]
         for encoded, raw, known, message in zip(encodings, new, found[len(prior) :], appended, strict=True):
             if known is None:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tito_addon.canonical_chat import BoundedRequest, ChatMessage, ChatRequest
+from tito_addon.canonical_chat import BoundedRequest, ChatMessage, ChatRequest, json_value_problem
 from tito_addon.protocols.agent_api import (
     EVENT_STREAM_HEADERS,
     AgentRequest,
@@ -230,8 +230,11 @@ class TranslatedApi[T: ChatTranslation]:
         native = raw.get(self.member)
         if extension is not None and isinstance(native, list):
             known = len(extension.known.raw_messages)
+            shown = native[known:] or native[-1:]
+            # Where the rest is the known request's own, only these messages' JSON bounds are walked.
+            bounded = extension.only_appended_new and json_value_problem({self.member: shown}) is None
             try:
-                request = validated(self.request_model, {**raw, self.member: native[known:] or native[-1:]}, "")
+                request = validated(self.request_model, {**raw, self.member: shown}, "", bounded=bounded)
             except BadRequest:
                 request = None
             if request is not None:

@@ -72,6 +72,12 @@ class TurnNode:
     parent: TurnNode | None
     turn: Turn
     children: ChildIndex = field(default_factory=ChildIndex)
+    # The ids up to the end of its completion: held, since a node and its ancestors never change, so the next turn's
+    # prompt does not walk the path to its root.
+    end_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.end_len = (self.parent.end_len if self.parent is not None else 0) + self.turn.tokens
 
     @property
     def message_end(self) -> int:
@@ -80,15 +86,6 @@ class TurnNode:
     @property
     def prompt_len(self) -> int:
         return self.end_len - len(self.turn.completion_ids)
-
-    @property
-    def end_len(self) -> int:
-        total = 0
-        node: TurnNode | None = self
-        while node is not None:
-            total += node.turn.tokens
-            node = node.parent
-        return total
 
     def full_ids(self) -> list[int]:
         """Prompt + completion ids of this turn, exactly as the model saw and produced them."""
@@ -197,19 +194,30 @@ class MemoryTree:
     ) -> tuple[TurnNode | None, bool]:
         """Deepest matching turn below `index`; on equal depth the oldest wins and the match is ambiguous.
 
-        Iterative, so a history of any number of turns is walked without recursion limits."""
-        matches: list[TurnNode] = []
+        Iterative, so a history of any number of turns is walked without recursion limits; the walk is written out
+        (no list, generator or property per level), as a long session walks hundreds of levels on every turn."""
+        keys = tuple(keys)  # (a tuple's slice is the lookup key itself)
+        count = len(keys)
+        deepest: list[TurnNode] = []
+        depth = -1
         pending = [(index, 0)]
         while pending:
             children, start = pending.pop()
-            for candidate in children.candidates(keys, start):
-                if candidate.reasoning_compatible(reasonings, start):
-                    matches.append(candidate)
-                    pending.append((candidate.children, candidate.message_end))
-        if not matches:
+            for length, table in children.by_length.items():
+                end = start + length
+                if end > count:
+                    continue
+                for candidate in table.get(keys[start:end], ()):
+                    if not candidate.reasoning_compatible(reasonings, start):
+                        continue
+                    turn = candidate.turn
+                    pending.append((candidate.children, turn.message_end))
+                    if turn.message_end > depth:
+                        depth, deepest = turn.message_end, [candidate]
+                    elif turn.message_end == depth:
+                        deepest.append(candidate)
+        if not deepest:
             return None, False
-        depth = max(node.message_end for node in matches)
-        deepest = [node for node in matches if node.message_end == depth]
         best = min(deepest, key=lambda node: (node.session.created, node.turn_id))
         return best, len(deepest) > 1
 

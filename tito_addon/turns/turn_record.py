@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from tito_addon.backends.backend_protocol import BackendResult
 from tito_addon.canonical_chat import ChatMessage
@@ -25,11 +28,36 @@ SAMPLING_KEYS = frozenset({
 })  # fmt: skip
 
 
-def tools_digest(tools: list[dict[str, Any]] | None) -> str | None:
-    if not tools:
-        return None
-    canonical = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+class ToolsDigests:
+    """The digest of a tool list (its canonical JSON's sha256), remembered by the list's orjson bytes: an agent sends
+    the same tools every turn, and writing them canonically (sorted keys, by the standard library) cost ~0.5 ms a
+    turn for Claude Code's. Equal orjson bytes are equal JSON values (it writes each number's shortest exact form),
+    so a remembered digest is the one the canonical writing gives."""
+
+    def __init__(self, entries: int = 32) -> None:
+        self.entries = entries
+        self._known: OrderedDict[bytes, str] = OrderedDict()
+
+    def __call__(self, tools: list[dict[str, Any]] | None) -> str | None:
+        if not tools:
+            return None
+        try:
+            encoded: bytes | None = orjson.dumps(tools)
+        except TypeError:  # (orjson's JSONEncodeError) beyond what it writes: a 65-bit integer, a lone surrogate
+            encoded = None
+        if encoded is not None and (known := self._known.get(encoded)) is not None:
+            self._known.move_to_end(encoded)
+            return known
+        canonical = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        digest = hashlib.sha256(canonical.encode()).hexdigest()
+        if encoded is not None:
+            self._known[encoded] = digest
+            if len(self._known) > self.entries:
+                self._known.popitem(last=False)
+        return digest
+
+
+tools_digest = ToolsDigests()
 
 
 def reasoning_tokens(completion_ids: list[int], message: dict[str, Any], end_id: int | None) -> int:
