@@ -65,6 +65,82 @@ class ItemTranslation:
     compaction: str | None = None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ReadItems:
+    """The reading kept of a request's items, where items translate on their own: each item's translation, and what
+    taking them adds laid out whole (their messages, the item each came from, what they leave out, their messages
+    validated). Each is extended from the reading its request took, so a turn of a long conversation takes its known
+    items in a few copies, not in a loop over hundreds of them; one holds no compaction (a request with one is not
+    remembered)."""
+
+    units: tuple[ItemTranslation, ...]
+    first: int  # the item the first unit translates
+    messages: tuple[dict[str, Any], ...]
+    item_of: tuple[int, ...]  # per message, its item
+    dropped: tuple[str, ...]
+    chat: tuple[ChatMessage, ...]
+    # Per unit: how many messages and dropped notes the units up to it hold, and the last of them that holds
+    # signatures (-1: none), so the reading of the first n is a slice of each.
+    message_ends: tuple[int, ...]
+    dropped_ends: tuple[int, ...]
+    signed: tuple[int, ...]
+
+    @staticmethod
+    def of(translation: ChatTranslation, chat: Sequence[ChatMessage], leading: int, first: int) -> ReadItems:
+        """The reading of a translation's units (`chat`: their messages validated), extending the one it resumed."""
+        base = translation.resumed or EMPTY_READ
+        if base.first != first:
+            base = EMPTY_READ  # (the items before the conversation changed: every unit is read anew)
+        taken = len(base.units)
+        units, message_ends = list(base.units), list(base.message_ends)
+        dropped_ends, signed = list(base.dropped_ends), list(base.signed)
+        at, dropped, last = len(base.messages), len(base.dropped), base.signed[-1] if base.signed else -1
+        for index, unit in enumerate(translation.units[taken:], taken):
+            count = len(unit.messages)
+            units.append(unit if unit.chat else replace(unit, chat=tuple(chat[at : at + count])))
+            at += count
+            dropped += len(unit.dropped)
+            last = index if unit.signatures is not None else last
+            message_ends.append(at)
+            dropped_ends.append(dropped)
+            signed.append(last)
+        start = leading + len(base.messages)
+        return ReadItems(
+            tuple(units),
+            first,
+            base.messages + tuple(translation.messages[start : leading + at]),
+            base.item_of + tuple(translation.item_of[start : leading + at]),
+            base.dropped + tuple(note for unit in units[taken:] for note in unit.dropped),
+            base.chat + tuple(chat[len(base.chat) : at]),
+            tuple(message_ends),
+            tuple(dropped_ends),
+            tuple(signed),
+        )
+
+    def first_units(self, n: int) -> ReadItems:
+        messages, dropped = self.message_ends[n - 1] if n else 0, self.dropped_ends[n - 1] if n else 0
+        return ReadItems(
+            self.units[:n],
+            self.first,
+            self.messages[:messages],
+            self.item_of[:messages],
+            self.dropped[:dropped],
+            self.chat[:messages],
+            self.message_ends[:n],
+            self.dropped_ends[:n],
+            self.signed[:n],
+        )
+
+    @property
+    def signatures(self) -> tuple[Signature, ...] | None:
+        """The signatures of the newest unit that holds any."""
+        last = self.signed[-1] if self.signed else -1
+        return self.units[last].signatures if last >= 0 else None
+
+
+EMPTY_READ = ReadItems((), 0, (), (), (), (), (), (), ())
+
+
 class ChatTranslation:
     """One request's canonical messages, the native item each came from, and what the prompt leaves out: of the
     conversation (`dropped`) and of the request's other fields (`notes`, told after it)."""
@@ -87,15 +163,19 @@ class ChatTranslation:
         # When the proxy is to compact instead of answering (Anthropic's compact_20260112): (prompt tokens, the
         # instruction).
         self.compact_when: tuple[int, str] | None = None
+        # The known items' reading this translation began with (`ReadItems`), which its own reading extends.
+        self.resumed: ReadItems | None = None
 
     def add(self, item: int, message: dict[str, Any]) -> dict[str, Any]:
         self.messages.append(message)
         self.item_of.append(item)
         return message
 
-    def take(self, first: int, units: Sequence[ItemTranslation]) -> list[ChatMessage]:
+    def take(self, first: int, units: Sequence[ItemTranslation] | ReadItems) -> list[ChatMessage]:
         """Add the translations of consecutive items from item `first` (made now, or on an earlier turn: their
         messages validated then are returned)."""
+        if isinstance(units, ReadItems):
+            return self._take_read(first, units)
         messages, item_of, dropped = self.messages, self.item_of, self.dropped
         known: list[ChatMessage] = []
         signatures = None
@@ -113,6 +193,18 @@ class ChatTranslation:
             self.signatures = list(signatures)
         self.units += units
         return known
+
+    def _take_read(self, first: int, read: ReadItems) -> list[ChatMessage]:
+        if not self.units:
+            self.resumed = read
+        self.messages += read.messages
+        shift = first - read.first
+        self.item_of += read.item_of if not shift else [item + shift for item in read.item_of]
+        self.dropped += read.dropped
+        if (signatures := read.signatures) is not None:
+            self.signatures = list(signatures)
+        self.units += read.units
+        return list(read.chat)
 
 
 def known_block(messages: list[Any], leading: int, known: list[ChatMessage]) -> list[ChatMessage | None]:
@@ -324,14 +416,8 @@ class TranslatedApi[T: ChatTranslation]:
     ) -> tuple[Any, Callable[[int], Any] | None]:
         """What is remembered of reading the items (`chat`: their messages validated), and the reading of the first
         n of them where the API can give it (see `KnownRequests.remember`)."""
-        filled = []
-        at = 0
-        for unit in translation.units:
-            count = len(unit.messages)
-            filled.append(unit if unit.chat else replace(unit, chat=tuple(chat[at : at + count])))
-            at += count
-        state = tuple(filled)
-        return state, lambda n: state[:n]
+        state = ReadItems.of(translation, chat, leading, offset)
+        return state, state.first_units
 
     def fill(self, request: Any, translation: T, chat_body: dict[str, Any]) -> dict[str, Any]:
         """The API's fields in the chat body (what the prompt leaves out of them noted); the reply's options."""
