@@ -94,15 +94,16 @@ class ReadItems:
         taken = len(base.units)
         units, message_ends = list(base.units), list(base.message_ends)
         dropped_ends, signed = list(base.dropped_ends), list(base.signed)
-        at, dropped, last = len(base.messages), len(base.dropped), base.signed[-1] if base.signed else -1
+        at, last = len(base.messages), base.signed[-1] if base.signed else -1
+        notes = list(base.dropped)
         for index, unit in enumerate(translation.units[taken:], taken):
             count = len(unit.messages)
             units.append(unit if unit.chat else replace(unit, chat=tuple(chat[at : at + count])))
             at += count
-            dropped += len(unit.dropped)
+            notes += unit.dropped
             last = index if unit.signatures is not None else last
             message_ends.append(at)
-            dropped_ends.append(dropped)
+            dropped_ends.append(len(notes))
             signed.append(last)
         start = leading + len(base.messages)
         return ReadItems(
@@ -110,7 +111,7 @@ class ReadItems:
             first,
             base.messages + tuple(translation.messages[start : leading + at]),
             base.item_of + tuple(translation.item_of[start : leading + at]),
-            base.dropped + tuple(note for unit in units[taken:] for note in unit.dropped),
+            tuple(notes),
             base.chat + tuple(chat[len(base.chat) : at]),
             tuple(message_ends),
             tuple(dropped_ends),
@@ -171,11 +172,9 @@ class ChatTranslation:
         self.item_of.append(item)
         return message
 
-    def take(self, first: int, units: Sequence[ItemTranslation] | ReadItems) -> list[ChatMessage]:
+    def take(self, first: int, units: Sequence[ItemTranslation]) -> list[ChatMessage]:
         """Add the translations of consecutive items from item `first` (made now, or on an earlier turn: their
         messages validated then are returned)."""
-        if isinstance(units, ReadItems):
-            return self._take_read(first, units)
         messages, item_of, dropped = self.messages, self.item_of, self.dropped
         known: list[ChatMessage] = []
         signatures = None
@@ -194,9 +193,9 @@ class ChatTranslation:
         self.units += units
         return known
 
-    def _take_read(self, first: int, read: ReadItems) -> list[ChatMessage]:
-        if not self.units:
-            self.resumed = read
+    def resume(self, first: int, read: ReadItems) -> list[ChatMessage]:
+        """Begin the conversation, from item `first`, with the known items' reading; their validated messages."""
+        self.resumed = read
         self.messages += read.messages
         shift = first - read.first
         self.item_of += read.item_of if not shift else [item + shift for item in read.item_of]
@@ -397,7 +396,7 @@ class TranslatedApi[T: ChatTranslation]:
 
     def resume(self, translation: T, prior: Any, offset: int) -> list[ChatMessage]:
         """Take the known items' reading; their messages validated."""
-        return translation.take(offset, prior)
+        return translation.resume(offset, prior)
 
     def serve_compaction(self, translation: T, index: int, asked_by: str) -> None:
         """Ask the model for a summary of the conversation so far (`compaction_items`): the request is a compaction
