@@ -536,3 +536,34 @@ def test_a_mangled_answer_is_read_or_refused_as_an_http_error_and_never_hangs(
     assert error is None or isinstance(error, HttpError)
     if bytes(mangled) == raw:
         assert done and error is None and read == body
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: \xb22\r\n\r\nab",  # '²2': str.isdigit() says yes, int() says no
+        b"HTTP/1.1 200 OK\r\ncontent-length: \xd9\xa1\r\n\r\na",  # Arabic-Indic digits
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1_0\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n",  # int() takes _
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n+2\r\nxx\r\n0\r\n\r\n",
+    ],
+    ids=["superscript-length", "arabic-length", "underscore-chunk", "signed-chunk"],
+)
+def test_lengths_that_python_would_read_but_http_does_not_are_refused(raw: bytes) -> None:
+    """Found by the mangled-answer sweep: a content-length or chunk size is ASCII (hex) digits and nothing else."""
+    from tito_addon.backends.backend_connections import _Connection
+
+    async def run() -> HttpError | None:
+        connection = _Connection(_NoPool(), (False, "backend", 80))  # type: ignore[arg-type]
+        connection.connection_made(_QuietTransport())
+        connection.start("POST", [])
+        connection.data_received(raw)
+        if connection._head is not None and connection._head.done() and connection._head.exception() is None:
+            try:
+                while await asyncio.wait_for(connection.next_piece(), 1) is not None:
+                    pass
+            except HttpError as error:
+                return error
+        return connection._error
+
+    error = asyncio.run(run())
+    assert isinstance(error, HttpError) and "invalid" in str(error)

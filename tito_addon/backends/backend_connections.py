@@ -216,7 +216,8 @@ class _Connection(asyncio.Protocol):
             self._framing = _CHUNKED
         elif length is not None:
             values = {v.strip() for v in length.split(",")}
-            if len(values) != 1 or not next(iter(values)).isdigit():
+            # ASCII digits only: str.isdigit() is also true of '²', which int() refuses.
+            if len(values) != 1 or not next(iter(values)).isascii() or not next(iter(values)).isdigit():
                 raise HttpError(f"the backend sent an invalid content-length {length[:40]!r}")
             self._framing, self._remaining = _LENGTH, int(next(iter(values)))
         else:
@@ -277,12 +278,10 @@ class _Connection(asyncio.Protocol):
                 self._chunk_state = "size"
             elif self._chunk_state == "size":
                 size_text = line.split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise HttpError(f"the backend sent an invalid chunk size {size_text[:20]!r}") from None
-                if size < 0 or size_text.startswith((b"-", b"+", b"0x", b"0X")):
+                # Hex digits only: int() would also take a sign, a 0x prefix and underscores ("1_0" is 16).
+                if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
                     raise HttpError(f"the backend sent an invalid chunk size {size_text[:20]!r}")
+                size = int(size_text, 16)
                 self._chunk_state, self._remaining = ("data", size) if size else ("trailer", 0)
             elif not line:  # the empty line that ends the trailers
                 self._finish()
