@@ -69,10 +69,11 @@ ALLOWED: dict[str, set[str]] = {
 REPLICA_USERS = {"tito_addon.tools.demo_run", "tito_addon.tools.cli"}
 MITMPROXY_USERS = {"proxy", "tools"}
 #: The replicas' modules by role: each server's wire, in modules named for the server (`sglang_replica` is sglang's);
-#: the concepts both servers share (the scripted model, its tokenizer, the faults, how a replica is served); the
-#: harness that runs real processes (mitmdump, redis, haproxy). A module in none of them is unplaced.
+#: the concepts both servers share (the scripted model, its tokenizer, the faults, an engine's pause for weight
+#: updates, how a replica is served); the harness that runs real processes (mitmdump, redis, haproxy). A module in
+#: none of them is unplaced.
 REPLICA_SERVERS = ("sglang", "vllm")
-REPLICA_SHARED = {"scripted_model", "replica_tokenizer", "faults", "replica_runner"}
+REPLICA_SHARED = {"scripted_model", "replica_tokenizer", "faults", "engine_pause", "replica_runner"}
 REPLICA_HARNESS = {"proxy_process", "fleet"}
 #: Which roles' modules a replica module may import: a server its own and the shared concepts, never another server's.
 REPLICA_ALLOWED: dict[str, set[str]] = {

@@ -162,6 +162,15 @@ def sampled_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
     return spans
 
 
+def check_versions(versions: list[str], mask: list[int], path: list) -> None:
+    """Each sampled token carries the version its turn recorded for it ("" where none was), every other token ""."""
+    assert len(versions) == len(mask)
+    assert [v for v, bit in zip(versions, mask, strict=True) if bit] == [
+        v or "" for t in path for v in t.token_weight_versions()
+    ]
+    assert all(v == "" for v, bit in zip(versions, mask, strict=True) if not bit)
+
+
 def check_sampled(ids: list[int], mask: list[int], logprobs: list[float], path: list) -> None:
     """The mask covers exactly the branch's sampled tokens, whose spans (decoded too) are its assistant turns, and
     the logprobs hold the recorded values there and 0 everywhere else."""
@@ -189,12 +198,14 @@ def check_row(row: dict, layout: str, record_dir: Path) -> None:
     if layout == "generic":
         assert row["input_ids"] == full
         check_sampled(row["input_ids"], row["loss_mask"], row["rollout_logprobs"], path)
+        check_versions(row["rollout_weight_versions"], row["loss_mask"], path)
         assert row["finish_reasons"] == [t.finish_reason for t in path]
     elif layout == "verl":
         assert row["prompts"] == first_prompt
         assert row["prompts"] + row["responses"] == full == row["input_ids"]
         assert len(row["response_mask"]) == len(row["rollout_log_probs"]) == len(row["responses"])
         check_sampled(row["responses"], row["response_mask"], row["rollout_log_probs"], path)
+        check_versions(row["rollout_weight_versions"], row["response_mask"], path)
         assert row["response_mask"][: len(path[0].completion_ids)] == [1] * len(path[0].completion_ids)
         assert row["uid"] == row["group"]  # the GRPO group (records/rollout_groups)
         assert row["reward_score"] == row["reward"]

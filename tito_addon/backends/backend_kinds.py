@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tito_addon.backends.backend_protocol import Backend
+from tito_addon.backends.resumed_generation import DEFAULT_RESUME, ResumePolicy
 from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.backends.vllm_backend import VllmBackend
@@ -17,12 +18,16 @@ def make_backend(
     verify_echo: bool = False,
     merge_stream_chunks: bool = False,
     compact_requests: bool = False,
+    resume: ResumePolicy = DEFAULT_RESUME,
 ) -> Backend:
     """`merge_stream_chunks`: vLLM may derender the generate chunks that arrived during a call as one (see
     `ModelFamily.chunking_invariant_parsers`); `compact_requests`: the parsers are sent only what they read (vLLM
-    derender a seed of the prompt, neither server the conversation; `ModelFamily.compact_requests`)."""
+    derender a seed of the prompt, neither server the conversation; `ModelFamily.compact_requests`); `resume`: how far a
+    generation the backend aborts (a weight update) is resumed."""
     if kind == "sglang":
         return SglangBackend(client, verify_echo=verify_echo, compact_requests=compact_requests)
     if kind == "vllm":
-        return VllmBackend(client, merge_stream_chunks=merge_stream_chunks, compact_requests=compact_requests)
+        return VllmBackend(
+            client, merge_stream_chunks=merge_stream_chunks, compact_requests=compact_requests, resume=resume
+        )
     raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

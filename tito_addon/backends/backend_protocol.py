@@ -8,7 +8,7 @@ parsed assistant message and the body the agent receives; everything kind-specif
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ class BackendTurn:
     headers: dict[str, str]  # headers to forward (authorization included; never recorded)
     stop_texts: dict[int, str] = field(default_factory=dict)  # the model's stop ids and their literal text
     special_ids: frozenset[int] = frozenset()  # the tokenizer's added and special tokens
+    output_text: Callable[[list[int]], str] | None = None  # generated ids' text, as stop strings are checked on it
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -44,7 +45,9 @@ class BackendResult:
     extra: dict[str, Any] = field(default_factory=dict)
     # The weights that sampled the turn, where the backend says (see `weight_version_of` / `weight_spans_of`).
     weight_version: str | None = None
-    weight_version_spans: list[dict[str, Any]] | None = None  # vLLM, only when the weights changed mid-turn
+    weight_version_spans: list[dict[str, Any]] | None = None  # only when the weights changed mid-turn
+    # Only for a generation the backend aborted and we resumed: {attempts, cuts} (`StitchedGeneration.record`).
+    resumed: dict[str, Any] | None = None
 
 
 @dataclass

@@ -37,21 +37,21 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
+from tito_addon.backends.resumed_generation import DEFAULT_RESUME, ResumePolicy, StitchedGeneration, recorded_spans
 from tito_addon.backends.server_facts import ServerFacts, ask_served_models
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
+from tito_addon.backends.vllm_generation import VllmGeneration, checked_stream_choice, harvest_generate
 from tito_addon.canonical_chat import ChatRequest
 from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
 
 logger = logging.getLogger(__name__)
 
 RENDER_PATH = "/v1/chat/completions/render"
-GENERATE_PATH = "/inference/v1/generate"
 DERENDER_PATH = "/v1/chat/completions/derender"
 # vLLM's SamplingParams default: render leaves a requested max_tokens of exactly 16 out of sampling_params,
 # and generate then runs to the context limit.
 RENDER_DROPPED_MAX_TOKENS = 16
-_TOKEN_ID_STRING = re.compile(r"^token_id:(\d+)$")
 
 
 class ScaleOutDisabled(TitoError):
@@ -87,9 +87,15 @@ class VllmBackend:
     kind = "vllm"
 
     def __init__(
-        self, client: UpstreamClient, *, merge_stream_chunks: bool = False, compact_requests: bool = False
+        self,
+        client: UpstreamClient,
+        *,
+        merge_stream_chunks: bool = False,
+        compact_requests: bool = False,
+        resume: ResumePolicy = DEFAULT_RESUME,
     ) -> None:
         self.client = client
+        self.generation = VllmGeneration(client, self._call, resume)
         # Kept also where the server did not say (then only the 0.24 wire features are used).
         self.versions = ServerFacts(self._ask_version)
         self.models = ServerFacts(functools.partial(ask_served_models, client))
@@ -167,8 +173,8 @@ class VllmBackend:
         generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
         skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
         generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version)
-        generated, _ = await self._call(turn.base_url + GENERATE_PATH, generate_request, turn.headers, "generate")
-        completion_ids, logprobs, finish = self.harvest_generate(generated, turn.prompt_ids)
+        generated, stitched = await self.generation.run(turn, generate_request)
+        completion_ids, logprobs, finish = harvest_generate(generated, turn.prompt_ids)
         # 0.32+ derender reads the prompt from the generate response's echo (checked above) and the seed field.
         compact = self.compact_requests and version.at_least(0, 32)
         seed = prompt_seed(turn.prompt_ids, turn.special_ids) if compact else turn.prompt_ids
@@ -189,10 +195,34 @@ class VllmBackend:
             completion, raw, completion_ids, logprobs, finish, skew, version, asked_logprobs, eos_text
         )
         weights = generated["choices"][0].get("weight_versions")  # 0.32+
-        result.weight_version, result.weight_version_spans = weight_spans_of(weights, len(completion_ids))
+        if stitched.resumed:
+            result.weight_version, result.weight_version_spans = recorded_spans(weights)
+            result.resumed = stitched.record()
+        else:
+            result.weight_version, result.weight_version_spans = weight_spans_of(weights, len(completion_ids))
         if served is not None:
             result.extra["served_model"] = served
         return result
+
+    @staticmethod
+    def generate_request(
+        rendered: dict[str, Any], chat: dict[str, Any], prompt_ids: list[int], version: VllmVersion
+    ) -> dict[str, Any]:
+        request = dict(rendered)
+        request["token_ids"] = prompt_ids
+        request["stream"] = False  # render copies the chat request's flag
+        request.pop("stream_options", None)
+        sampling = request.get("sampling_params")
+        if not isinstance(sampling, dict):
+            raise UpstreamMalformed("vLLM render answered without sampling_params")
+        sampling = dict(sampling)
+        wanted = chat.get("max_completion_tokens") or chat.get("max_tokens")
+        if isinstance(wanted, int) and "max_tokens" not in sampling:
+            sampling["max_tokens"] = wanted  # vLLM render drops exactly 16 (the SamplingParams default)
+        request["sampling_params"] = sampling
+        if version.at_least(0, 30):
+            request["return_token_ids"] = True  # so generate proves which prompt it ran on
+        return request
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # 0.31 added streaming derender with the tool and reasoning parsers.
@@ -223,7 +253,8 @@ class VllmBackend:
         derender_chat = derender_chat_request(
             chat, compact=self.compact_requests, streaming=True, refuses_stop=version.at_least(0, 33)
         )
-        events = self.client.sse_events(turn.base_url + GENERATE_PATH, request, turn.headers)
+        stitched = StitchedGeneration(turn.prompt_ids, self.generation.resume)
+        events = self.generation.events(turn, request, stitched)
         # One derender call at a time: the generate chunks that arrive meanwhile go to the next call as one chunk.
         stream = batches(events)
 
@@ -309,55 +340,10 @@ class VllmBackend:
         extra = {"render_skew": skew, "backend_version": version.text}
         if served is not None:
             extra["served_model"] = served
-        weight = weight_spans_of(weights, len(completion_ids))
-        yield stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra, weight)
-
-    @staticmethod
-    def generate_request(
-        rendered: dict[str, Any], chat: dict[str, Any], prompt_ids: list[int], version: VllmVersion
-    ) -> dict[str, Any]:
-        request = dict(rendered)
-        request["token_ids"] = prompt_ids
-        request["stream"] = False  # render copies the chat request's flag
-        request.pop("stream_options", None)
-        sampling = request.get("sampling_params")
-        if not isinstance(sampling, dict):
-            raise UpstreamMalformed("vLLM render answered without sampling_params")
-        sampling = dict(sampling)
-        wanted = chat.get("max_completion_tokens") or chat.get("max_tokens")
-        if isinstance(wanted, int) and "max_tokens" not in sampling:
-            sampling["max_tokens"] = wanted  # vLLM render drops exactly 16 (the SamplingParams default)
-        request["sampling_params"] = sampling
-        if version.at_least(0, 30):
-            request["return_token_ids"] = True  # so generate proves which prompt it ran on
-        return request
-
-    @staticmethod
-    def harvest_generate(generated: dict[str, Any], prompt_ids: list[int]) -> tuple[list[int], list[float], Any]:
-        choices = generated.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise UpstreamMalformed("vLLM generate answered without choices")
-        choice = choices[0]
-        echoed = generated.get("prompt_token_ids")
-        if echoed is not None and echoed != prompt_ids:
-            raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent; nothing was recorded")
-        completion_ids = checked_ids(choice.get("token_ids"), "completion token ids")
-        block = choice.get("logprobs")
-        entries = block.get("content") if isinstance(block, dict) else None
-        if not isinstance(entries, list):
-            raise UpstreamMalformed("vLLM generate answered without logprobs (the chain forces logprobs on)")
-        if len(entries) != len(completion_ids):
-            raise UpstreamMalformed(
-                f"vLLM generate returned {len(entries)} logprobs for {len(completion_ids)} completion tokens"
-            )
-        values = []
-        for position, (entry, token_id) in enumerate(zip(entries, completion_ids, strict=True)):
-            if not isinstance(entry, dict):
-                raise UpstreamMalformed("vLLM generate returned a logprob entry that is not an object")
-            if _entry_token_id(entry) not in (None, token_id):
-                raise UpstreamMalformed(f"vLLM generate logprob {position} is for another token than token_ids says")
-            values.append(entry.get("logprob"))
-        return completion_ids, checked_logprobs(values, len(completion_ids)), choice.get("finish_reason")
+        weight = recorded_spans(weights) if stitched.resumed else weight_spans_of(weights, len(completion_ids))
+        end = stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra, weight)
+        end.result.resumed = stitched.record()
+        yield end
 
     @staticmethod
     def harvest_derender(
@@ -444,30 +430,3 @@ def _without_eos_text(message: dict[str, Any], eos_text: str) -> dict[str, Any]:
                 return {**message, key: value[: -len(eos_text)]}
             return message
     return message
-
-
-def checked_stream_choice(choice: dict[str, Any]) -> list[Any]:
-    """The logprob values of one streamed generate choice, after checking its ids and their logprob entries."""
-    delta_ids = choice.get("token_ids") or []
-    if not isinstance(delta_ids, list) or not all(type(i) is int and i >= 0 for i in delta_ids):
-        raise UpstreamMalformed("vLLM generate streamed token ids that are not non-negative integers")
-    entries = (choice.get("logprobs") or {}).get("content")
-    if not isinstance(entries, list) or len(entries) != len(delta_ids):
-        raise UpstreamMalformed("vLLM generate streamed a chunk whose logprobs do not match its ids")
-    for entry, token_id in zip(entries, delta_ids, strict=True):
-        if not isinstance(entry, dict) or _entry_token_id(entry) not in (None, token_id):
-            raise UpstreamMalformed("vLLM generate streamed a logprob for another token")
-    return [entry.get("logprob") for entry in entries]
-
-
-def _entry_token_id(entry: dict[str, Any]) -> int | None:
-    """The token id a logprob entry is about: 0.32+ `token_id`, earlier `"token": "token_id:N"`."""
-    value = entry.get("token_id")
-    if type(value) is int:
-        return value
-    token = entry.get("token")
-    if isinstance(token, str):
-        match = _TOKEN_ID_STRING.match(token)
-        if match:
-            return int(match.group(1))
-    return None

@@ -18,7 +18,7 @@ STORE_SCHEMES = ("redis", "rediss", "unix")
 OPTION_PREFIX = "tito_"
 
 
-def option(default: str | int | bool, help: str, **constraints: Any) -> Any:
+def option(default: str | int | float | bool, help: str, **constraints: Any) -> Any:
     """A setting declared once: the mitmproxy option `tito_NAME` (`default`'s type, `default`, `help`) and the field it
     is validated into (the default goes through the same validators as a value the user sets)."""
     return Field(default=default, validate_default=True, description=help, **constraints)
@@ -52,7 +52,23 @@ class TitoSettings(BaseModel):
     chat_template_kwargs: dict[str, Any] = option("", "JSON object of chat template kwargs applied to every render.")
     session_header: str = option("x-session-id", "Request header that names the session.")
     trust_remote_code: bool = option(False, "Allow the tokenizer to run code from its repository.")
-    upstream_timeout: float = option(600, "Seconds to wait for the backend before answering 504.")
+    upstream_timeout: float = option(
+        600,
+        "Seconds to wait for the backend before answering 504; a turn held by a paused engine (a weight update in "
+        "keep, wait, in_place or retract mode) waits on this clock.",
+    )
+    resume_max: int = option(
+        20,
+        "Times a generation the backend aborts (a weight update's pause in abort mode) is resumed from its exact "
+        "ids before the agent gets an error (0: never resumed).",
+        ge=0,
+        le=10_000,
+    )
+    resume_wait: float = option(
+        900.0,
+        "Seconds after a generation's first cut within which it may be resumed; past it the agent gets an error.",
+        gt=0,
+    )
     verify_prompt_echo: bool = option(
         False,
         "sglang: have the backend echo the whole prompt on every turn and compare it id for id (by default the "

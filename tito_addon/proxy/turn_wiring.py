@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tito_addon.backends.backend_kinds import make_backend
 from tito_addon.backends.backend_routes import BackendRoutes, backend_url_from_env
+from tito_addon.backends.resumed_generation import ResumePolicy
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.prompt_ids import EncodedPrefixes
@@ -97,6 +98,7 @@ class TurnWiring:
             verify_echo=settings.verify_prompt_echo,
             merge_stream_chunks=engine.family.chunking_invariant_parsers,
             compact_requests=engine.family.compact_requests,
+            resume=ResumePolicy(settings.resume_max, settings.resume_wait),
         )
         # With a shared store several processes write turns of one session: each its own part of the file.
         records = FileRecords(settings.record_dir, writer=self.writer_id if shared else None)
@@ -143,7 +145,9 @@ class TurnWiring:
         self.redis.configure(
             idle_timeout=settings.session_idle_timeout,
             max_sessions=settings.max_sessions,
-            upstream_timeout=settings.upstream_timeout,
+            # A resumed generation's attempts may run until its resumption window closes, the last one after it.
+            upstream_timeout=settings.upstream_timeout
+            + (settings.resume_wait + settings.upstream_timeout if settings.resume_max else 0),
         )
         return self.redis
 

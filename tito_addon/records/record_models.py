@@ -68,6 +68,15 @@ class Follows(BaseModel):
     how: Literal["summary", "tool_argument", "compaction_item"]
 
 
+class Resumption(BaseModel):
+    """A generation the backend aborted (a weight update) and the proxy resumed from its exact ids until it ended."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempts: int = Field(ge=2)  # engine requests the generation took
+    cuts: list[int]  # where each aborted attempt ended, as a count of the turn's completion tokens
+
+
 class TurnRecord(BaseModel):
     """One committed turn."""
 
@@ -116,8 +125,12 @@ class TurnRecord(BaseModel):
     # The weights that sampled the turn, as the backend reported them: sglang's `meta_info.weight_version`, vLLM's
     # (0.32+) last `weight_versions` span; null when it reports none (sglang's chat streams never do).
     weight_version: str | None = None
-    # vLLM, only when the weights changed during the turn: [{version, start, end}] over `completion_ids`.
+    # Only when the weights changed during the turn: [{version, start, end}] over `completion_ids` (a version the
+    # backend did not report is null).
     weight_version_spans: list[dict[str, Any]] | None = None
+    # Only when the backend aborted the generation and the proxy resumed it: how many engine requests it took and
+    # where each cut fell (the ids, log-probs and spans above are the whole generation's).
+    resumed: Resumption | None = None
     # Only when the agent asked for more completion tokens than the backend's context leaves after the prompt: what
     # it asked, what was sent instead, and the context length the server reported.
     completion_budget: CompletionBudget | None = None
@@ -133,6 +146,16 @@ class TurnRecord(BaseModel):
     follows: Follows | None = None
     call_reason: str | None = None
     tokenizer: TokenizerInfo
+
+    def token_weight_versions(self) -> list[str | None]:
+        """The weight version that sampled each completion token: the spans where the weights changed during the turn,
+        else the turn's one version (null where the backend reported none)."""
+        if self.weight_version_spans:
+            versions: list[str | None] = [None] * len(self.completion_ids)
+            for span in self.weight_version_spans:
+                versions[span["start"] : span["end"]] = [span["version"]] * (span["end"] - span["start"])
+            return versions
+        return [self.weight_version] * len(self.completion_ids)
 
     @property
     def episode_id(self) -> str:
@@ -171,7 +194,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "request_id": None, "tools": None, "appended_messages": None, "appended_keys": None, "ambiguous_parent": False,
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
-    "served_model": None, "follows": None, "call_reason": None, "reasoning_tokens": None,
+    "served_model": None, "follows": None, "call_reason": None, "reasoning_tokens": None, "resumed": None,
 }  # fmt: skip
 
 

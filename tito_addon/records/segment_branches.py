@@ -25,6 +25,10 @@ class Branch:
     ids: list[int]  # the leaf's prompt + completion
     mask: list[int]  # 1 on every sampled token of every turn of the segment
     logprobs: list[float]  # the sampled tokens' logprobs at their positions, 0 elsewhere
+    # The weight version that sampled each sampled token; "" where none applies or none was reported (the mask tells
+    # which): a list of strings, never of nulls alone, so JSON readers that infer types block by block (pyarrow, HF
+    # datasets) see one type in every row.
+    versions: list[str]
     messages: list[dict[str, Any]] | None  # None when the session was recorded without message text
     notes: SegmentNotes
     episode: str
@@ -64,18 +68,29 @@ def branch_of(segment: Segment, ids: dict[int, tuple[list[int], list[int]]]) -> 
     sequence = prompt + completion
     mask = [0] * len(sequence)
     logprobs = [0.0] * len(sequence)
+    versions = [""] * len(sequence)
     messages: list[dict[str, Any]] | None = []
     for turn in path:
         start = turn.prompt_len  # the turn's completion follows its prompt in every descendant's sequence
         for offset, value in enumerate(turn.completion_logprobs):
             mask[start + offset] = 1
             logprobs[start + offset] = value
+        versions[start : start + len(turn.completion_ids)] = [v or "" for v in turn.token_weight_versions()]
         if messages is not None and turn.appended_messages is not None:
             messages += turn.appended_messages + [turn.assistant_message]
         else:
             messages = None
     return Branch(
-        path, sequence, mask, logprobs, messages, segment.notes, segment.episode, segment.index, id(segment.session)
+        path,
+        sequence,
+        mask,
+        logprobs,
+        versions,
+        messages,
+        segment.notes,
+        segment.episode,
+        segment.index,
+        id(segment.session),
     )
 
 

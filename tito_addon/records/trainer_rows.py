@@ -4,11 +4,13 @@ numbered for a trainer (`records/rollout_groups`), in one of four layouts.
 
 - generic: the segment's token sequence (`input_ids`: the leaf turn's prompt + completion, exactly as recorded),
   `loss_mask` (1 exactly on the tokens the model sampled, in every turn of the segment), `rollout_logprobs` (the
-  sampled tokens' logprobs at their positions, 0 elsewhere), the conversation, per-turn finish reasons, the model
-  and the tokenizer/template hashes that produced the ids.
+  sampled tokens' logprobs at their positions, 0 elsewhere), `rollout_weight_versions` (the weight version that
+  sampled each of them; "" elsewhere and where the backend reported none), the conversation, per-turn finish
+  reasons, the model and the tokenizer/template hashes that produced the ids.
 - verl: the split of verl's agent loop (`verl/experimental/agent_loop/agent_loop.py`): `prompts` is the first turn's
   prompt, `responses` everything after it (every sampled completion and the tool results and user turns between
-  them), `response_mask` 1 on sampled tokens, `rollout_log_probs` aligned with `responses`, `rm_scores` the reward on
+  them), `response_mask` 1 on sampled tokens, `rollout_log_probs` and `rollout_weight_versions` aligned with
+  `responses`, `rm_scores` the reward on
   the last response token, `uid` the GRPO group. `trainers/verl_batch` pads these rows into verl's `DataProto`.
 - slime: the fields of slime's `Sample` (`slime/utils/types.py`): `tokens` (the whole branch), `response_length`,
   `loss_mask` and `rollout_log_probs` over the response part only, `prompt`/`response` text, `status`, `reward`,
@@ -115,6 +117,7 @@ def generic_row(row: PlacedRow) -> dict[str, Any]:
         "input_ids": branch.ids,
         "loss_mask": branch.mask,
         "rollout_logprobs": branch.logprobs,
+        "rollout_weight_versions": branch.versions,
         "messages": json.dumps(branch.messages, ensure_ascii=False),
         "finish_reasons": [t.finish_reason for t in branch.path],
         **_tail(row),
@@ -146,6 +149,7 @@ def verl_row(row: PlacedRow) -> dict[str, Any]:
         "response_mask": branch.mask[cut:],
         "input_ids": branch.ids,
         "rollout_log_probs": branch.logprobs[cut:],
+        "rollout_weight_versions": branch.versions[cut:],
         "rm_scores": rm_scores,
         "reward_score": reward,
         "__num_turns__": verl_num_turns(branch.path),
@@ -337,6 +341,7 @@ def schema(layout: str) -> Any:
             ("input_ids", ids),
             ("loss_mask", mask),
             ("rollout_logprobs", floats),
+            ("rollout_weight_versions", strings),
             ("messages", pa.string()),
             ("finish_reasons", strings),
         ],
@@ -347,6 +352,7 @@ def schema(layout: str) -> Any:
             ("response_mask", mask),
             ("input_ids", ids),
             ("rollout_log_probs", floats),
+            ("rollout_weight_versions", strings),
             ("rm_scores", floats),
             ("reward_score", pa.float64()),
             ("__num_turns__", pa.int32()),

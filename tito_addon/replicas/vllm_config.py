@@ -50,6 +50,17 @@ class VllmReplicaConfig(BaseModel):
     noncanonical: bool = Field(default=True, description="emit deliberately non-canonical token splits")
     latency_s: float = Field(default=0.0, ge=0.0, description="sleep before answering each generate call")
     stream_delay_s: float = Field(default=0.0, ge=0.0, description="sleep between streamed generate events")
+    token_delay_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="sleep after each sampled token, whole or streamed: generations take time, so a pause can cut "
+        "them (without it a whole generation runs between two checks)",
+    )
+    dev_mode: bool = Field(
+        default=True,
+        description="VLLM_SERVER_DEV_MODE=1: the weight-update routes (/pause, /resume, /is_paused, "
+        "/update_weight_version, /finish_weight_update, /inference/v1/abort_requests)",
+    )
     answer_sentences: int = Field(
         default=0, ge=0, description="sentences (~14 tokens each) added to every answer: long completions (benchmarks)"
     )

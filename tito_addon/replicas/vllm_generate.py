@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
 
+from tito_addon.replicas.engine_pause import EnginePause, Generation, spans_of
 from tito_addon.replicas.replica_tokenizer import noncanonical_ids
 from tito_addon.replicas.scripted_model import completion_text, conversation_from_prompt, logprob, script_turn
 from tito_addon.replicas.vllm_config import MAX_TOP_LOGPROBS, VllmEndpoint, bad_request, is_int
@@ -28,6 +29,9 @@ class GenerateEndpoint(VllmEndpoint):
 
     completed_streams: int
     cancelled_streams: int
+    generated: list[dict[str, Any]]
+    pause: EnginePause
+    _lock: threading.Lock
 
     def _run_model(self, body: dict[str, Any], request: web.Request) -> dict[str, Any]:
         tok = self.tokenizer
@@ -57,11 +61,18 @@ class GenerateEndpoint(VllmEndpoint):
             raise bad_request("logprobs must be a non-negative integer or -1", param="logprobs")
 
         prompt_ids = [int(t) for t in ids]
-        conv, thinking = conversation_from_prompt(tok.decode(prompt_ids))
-        script = script_turn(conv, thinking, answer_sentences=self.config.answer_sentences)
-        text, spans, fallback = completion_text(script)
-        out, _ = noncanonical_ids(tok, text, spans, fallback, enabled=self.config.noncanonical)
-        out.append(tok.im_end)
+        continued = self.pause.continuation(prompt_ids)
+        if continued is not None:  # a cut generation's prompt + partial output: it goes on where it was cut
+            out, offset = list(continued[0]), continued[1]
+        else:
+            conv, thinking = conversation_from_prompt(tok.decode(prompt_ids))
+            script = script_turn(conv, thinking, answer_sentences=self.config.answer_sentences)
+            text, spans, fallback = completion_text(script)
+            out, _ = noncanonical_ids(tok, text, spans, fallback, enabled=self.config.noncanonical)
+            out.append(tok.im_end)
+            offset = 0
+        root = prompt_ids[: len(prompt_ids) - offset]
+        plan = prompt_ids[len(root) :] + out
         finish = "stop"
         if len(out) > limit:
             out, finish = out[:limit], "length"
@@ -72,8 +83,11 @@ class GenerateEndpoint(VllmEndpoint):
             "request_id": f"generate-tokens-{rid}" if self.v32 else uuid.uuid4().hex,
             "prompt_ids": prompt_ids,
             "ids": out,
-            "logprobs": [logprob(i, t) for i, t in enumerate(out)],
+            "logprobs": [logprob(offset + i, t) for i, t in enumerate(out)],
             "finish": finish,
+            "root": root,
+            "plan": plan,
+            "labels": [],
             "top_k": None if k is None else (MAX_TOP_LOGPROBS if k == -1 else min(k, MAX_TOP_LOGPROBS)),
         }
 
@@ -153,7 +167,7 @@ class GenerateEndpoint(VllmEndpoint):
             "token_ids": self._ids_with_fault(ids, fault),
             "routed_experts": None,
             "sampling_mask": None,
-            "weight_versions": self._weight_versions(len(ids)),
+            "weight_versions": self._weight_versions(gen),
             "logprobs": logprobs,
         }
         if fault == "missing_ids":
@@ -174,12 +188,38 @@ class GenerateEndpoint(VllmEndpoint):
             "choices": [choice],
         }
 
-    def _weight_versions(self, n: int) -> list[dict[str, Any]]:
-        """0.32's spans of the weights that sampled `n` output tokens."""
+    def _weight_versions(self, gen: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """0.32's spans of the weights that sampled the output tokens: the label each token was stamped with as it
+        was sampled (`EnginePause.step`); `previous_weight_version` instead says the weights changed halfway."""
+        n = len(gen["ids"])
+        if n == 0:
+            return None
         now, before = self.config.weight_version, self.config.previous_weight_version
-        if before is None or n < 2:
-            return [{"version": now, "start": 0, "end": n}]
-        return [{"version": before, "start": 0, "end": n // 2}, {"version": now, "start": n // 2, "end": n}]
+        if before is not None and n >= 2:
+            return [{"version": before, "start": 0, "end": n // 2}, {"version": now, "start": n // 2, "end": n}]
+        labels = gen["labels"]
+        return spans_of(labels) if len(labels) == n else [{"version": now, "start": 0, "end": n}]
+
+    async def produce(self, gen: dict[str, Any], generation: Generation) -> None:
+        """Sample the planned tokens one step at a time, at the configured pace: a pause in `abort` mode (or an abort
+        of this request) ends the generation with what it has, `finish_reason: "abort"`; a holding pause waits."""
+        produced = 0
+        for _ in gen["ids"]:
+            if not await self.pause.step(generation, self.config.weight_version):
+                break
+            produced += 1
+            if self.config.token_delay_s:
+                await asyncio.sleep(self.config.token_delay_s)
+        gen["labels"] = generation.labels
+        if produced < len(gen["ids"]):
+            self.cut(gen, produced)
+
+    def cut(self, gen: dict[str, Any], produced: int) -> None:
+        """The generation was aborted after `produced` tokens: it answers with those, and its plan is kept."""
+        self.pause.remember(gen["root"], gen["plan"])
+        gen["ids"], gen["logprobs"], gen["finish"] = gen["ids"][:produced], gen["logprobs"][:produced], "abort"
+        with self._lock:
+            gen["entry"].update(completion_ids=gen["ids"], logprobs=gen["logprobs"])
 
     @staticmethod
     def _usage(prompt: int, completion: int) -> dict[str, Any]:
@@ -191,61 +231,69 @@ class GenerateEndpoint(VllmEndpoint):
             "completion_tokens_details": None,
         }
 
-    def _stream_events(self, body: dict[str, Any], gen: dict[str, Any], fault: str | None) -> Iterator[dict[str, Any]]:
-        """0.32 SSE: one event per token; finish_reason/stop_reason/weight_versions on the last one."""
+    def _stream_event(
+        self, body: dict[str, Any], gen: dict[str, Any], i: int, fault: str | None, final: bool
+    ) -> dict[str, Any]:
+        """0.32 SSE: one event per token (token `i`; none on an abort's terminal event, `i` == the tokens sampled);
+        finish_reason, stop_reason and weight_versions on the final one."""
         ids = gen["ids"]
-        n = len(ids)
-        for i, tid in enumerate(ids):
-            last = i == n - 1
-            choice: dict[str, Any] = {
-                "index": 0,
-                "finish_reason": gen["finish"] if last else None,
-                "stop_reason": None,
-                "token_ids": self._ids_with_fault([tid], fault),
-                "routed_experts": None,
-                "sampling_mask": None,
-                "weight_versions": self._weight_versions(n) if last else None,
-                "logprobs": self._logprobs(gen, i, i + 1, fault),
-            }
-            if fault == "missing_ids":
-                del choice["token_ids"]
-            yield {
-                "request_id": gen["request_id"],
-                "usage": None,
-                "prompt_token_ids": list(gen["prompt_ids"])
-                if i == 0 and body.get("return_token_ids") is True
-                else None,
-                "mm_placeholders": None,
-                "metrics": None,
-                "output_mode": "tokens",
-                "choices": [choice],
-            }
-        opts = body.get("stream_options")
-        if isinstance(opts, dict) and opts.get("include_usage") is True:
-            yield {
-                "request_id": gen["request_id"],
-                "usage": self._usage(len(gen["prompt_ids"]), n),
-                "prompt_token_ids": None,
-                "mm_placeholders": None,
-                "metrics": None,
-                "output_mode": "tokens",
-                "choices": [],
-            }
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": gen["finish"] if final else None,
+            "stop_reason": None,
+            "token_ids": self._ids_with_fault(ids[i : i + 1], fault),
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": self._weight_versions(gen) if final else None,
+            "logprobs": self._logprobs(gen, i, min(i + 1, len(ids)), fault),
+        }
+        if fault == "missing_ids":
+            del choice["token_ids"]
+        return {
+            "request_id": gen["request_id"],
+            "usage": None,
+            "prompt_token_ids": list(gen["prompt_ids"]) if i == 0 and body.get("return_token_ids") is True else None,
+            "mm_placeholders": None,
+            "metrics": None,
+            "output_mode": "tokens",
+            "choices": [choice],
+        }
 
     async def _stream_generate(
-        self, request: web.Request, body: dict[str, Any], gen: dict[str, Any], fault: str | None
+        self, request: web.Request, body: dict[str, Any], gen: dict[str, Any], fault: str | None, generation: Generation
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        delay = self.config.token_delay_s or self.config.stream_delay_s
+
+        async def send(event: dict[str, Any]) -> None:
+            await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+
         try:
-            for event in self._stream_events(body, gen, fault):
-                await resp.write(f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
-                if self.config.stream_delay_s:
-                    await asyncio.sleep(self.config.stream_delay_s)
+            planned = len(gen["ids"])
+            produced = 0
+            for i in range(planned):
+                if not await self.pause.step(generation, self.config.weight_version):
+                    break
+                produced += 1
+                gen["labels"] = generation.labels
+                await send(self._stream_event(body, gen, i, fault, final=i == planned - 1))
+                if delay:
+                    await asyncio.sleep(delay)
                 if request.transport is None or request.transport.is_closing():
                     raise ConnectionResetError("client went away")
+            if produced < planned:  # aborted: vLLM still sends its terminal chunk, with no new tokens
+                self.cut(gen, produced)
+                await send(self._stream_event(body, gen, produced, fault, final=True))
+            opts = body.get("stream_options")
+            if isinstance(opts, dict) and opts.get("include_usage") is True:
+                usage = self._usage(len(gen["prompt_ids"]), len(gen["ids"]))
+                await send({
+                    "request_id": gen["request_id"], "usage": usage, "prompt_token_ids": None,
+                    "mm_placeholders": None, "metrics": None, "output_mode": "tokens", "choices": [],
+                })  # fmt: skip
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):

@@ -40,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tito_addon.replicas.engine_pause import EnginePause
 from tito_addon.replicas.faults import TRANSPORT_FAULTS, answer_transport_fault
 from tito_addon.replicas.replica_runner import BackendThread, ServedApp, json_response
 from tito_addon.replicas.replica_tokenizer import load_tokenizer
@@ -87,6 +88,14 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
         self.app.router.add_post(_RENDER, self._render)
         self.app.router.add_post(_GENERATE, self._generate)
         self.app.router.add_post(_DERENDER, self._derender)
+        self.pause = EnginePause()
+        if config.dev_mode:
+            self.app.router.add_post("/pause", self._pause)
+            self.app.router.add_post("/resume", self._resume)
+            self.app.router.add_get("/is_paused", self._is_paused)
+            self.app.router.add_post("/update_weight_version", self._set_weight_version)
+            self.app.router.add_post("/finish_weight_update", self._set_weight_version)
+            self.app.router.add_post("/inference/v1/abort_requests", self._abort_requests)
 
     # ----------------------------------------------------------------- test controls
     def set_faults(self, faults: list[str]) -> None:
@@ -121,6 +130,8 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
             self.generated.clear()
             self.completed_streams = self.cancelled_streams = 0
             self._faults.clear()
+        if self.pause.paused:  # a test that paused the engine and failed must not hold the next one's requests
+            self.pause.resume()
 
     def _pop_fault(self, endpoint: str) -> str | None:
         with self._lock:
@@ -226,15 +237,65 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
             gen = self._run_model(body, request)
         except HttpError as exc:
             return json_response(error_body(exc.status, exc.message, exc.param), status=exc.status)
-        if self.config.latency_s > 0:
-            await asyncio.sleep(self.config.latency_s)
-        with self._lock:
-            self.generated.append(
-                {"prompt_ids": gen["prompt_ids"], "completion_ids": gen["ids"], "logprobs": gen["logprobs"]}
-            )
-        if self.v32 and body.get("stream") is True:
-            return await self._stream_generate(request, body, gen, fault)
-        return json_response(self._generate_body(body, gen, fault))
+        generation = await self.pause.admit(gen["request_id"])  # queued while the engine is paused
+        try:
+            if self.config.latency_s > 0:
+                await asyncio.sleep(self.config.latency_s)
+            gen["entry"] = {"prompt_ids": gen["prompt_ids"], "completion_ids": gen["ids"], "logprobs": gen["logprobs"]}
+            with self._lock:
+                self.generated.append(gen["entry"])
+            if self.v32 and body.get("stream") is True:
+                return await self._stream_generate(request, body, gen, fault, generation)
+            await self.produce(gen, generation)
+            return json_response(self._generate_body(body, gen, fault))
+        finally:
+            self.pause.finish(generation)
+
+    # ----------------------------------------------------------------- weight updates (VLLM_SERVER_DEV_MODE=1)
+    async def _pause(self, request: web.Request) -> web.Response:
+        """`POST /pause?mode=abort|wait|keep&clear_cache=…`: answers once the pause holds."""
+        mode = request.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            return json_response(error_body(400, f"Invalid mode {mode!r}", param="mode"), status=400)
+        await self.pause.pause(mode)
+        return json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.pause.resume()
+        return json_response({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return json_response({"is_paused": self.pause.paused})
+
+    async def _set_weight_version(self, request: web.Request) -> web.Response:
+        """`/update_weight_version {"new_version"}` and `/finish_weight_update {"weight_version"}`: the label the
+        next tokens are stamped with (neither aborts anything in vLLM)."""
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError:
+            return json_response(error_body(400, "Invalid JSON body"), status=400)
+        key = "new_version" if request.path.endswith("update_weight_version") else "weight_version"
+        version = body.get(key) if isinstance(body, dict) else None
+        if version is not None:
+            self.config.weight_version = str(version)
+        return json_response({"status": "ok", "weight_version": self.config.weight_version})
+
+    async def _abort_requests(self, request: web.Request) -> web.Response:
+        """`/inference/v1/abort_requests {"request_ids": [...]}`: those (all, for none) end as aborted."""
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError:
+            return json_response(error_body(400, "Invalid JSON body"), status=400)
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if not ids:
+            self.pause.abort()
+        else:
+            for rid in ids:  # vLLM matches whole ids (sglang matches prefixes)
+                for generation in list(self.pause.in_flight.values()):
+                    if generation.rid in (rid, f"generate-tokens-{rid}") and not generation.aborted:
+                        generation.aborted = True
+                        self.pause.aborted += 1
+        return json_response({"status": "ok"})
 
     # ----------------------------------------------------------------- derender
     async def _derender(self, request: web.Request) -> web.StreamResponse:

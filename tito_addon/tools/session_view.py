@@ -166,6 +166,8 @@ def turn_lines(
     parent = "" if turn.parent_turn_id is None else f" ← {turn.parent_turn_id}"
     head = f"turn {turn.turn_id}{parent} {turn.call}: prompt {turn.prompt_len} (+{len(turn.prompt_added_ids)}), "
     head += f"completion {len(turn.completion_ids)}, {turn.finish_reason or '-'}"
+    if turn.resumed:
+        head += f", resumed after {len(turn.resumed.cuts)} cut(s) at {turn.resumed.cuts}"
     # Names only here: the calls with their arguments follow, one a line (a bare `Bash()` read as a call without any).
     lines.add(2, head + ("  → " + ", ".join(name for name, _ in calls) if calls else ""))
     for appended in turn.appended_messages or ():
@@ -244,6 +246,9 @@ def turn_json(turn: TurnRecord, ids: tuple[list[int], list[int]], notes: list[An
         "completion_ids": completion,
         "completion_logprobs": turn.completion_logprobs,
         "finish_reason": turn.finish_reason,
+        "weight_version": turn.weight_version,
+        "weight_version_spans": turn.weight_version_spans,
+        "resumed": turn.resumed.model_dump() if turn.resumed else None,
         "annotations": [note.model_dump(by_alias=True, exclude_none=True) for note in notes],
     }
     return json.dumps(row, ensure_ascii=False)

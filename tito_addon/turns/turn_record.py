@@ -143,6 +143,7 @@ def completed_turn(
         "backend_version": result.extra.get("backend_version"),
         "weight_version": result.weight_version,
         "weight_version_spans": result.weight_version_spans,
+        "resumed": result.resumed,
         "completion_budget": completion_budget,
         "served_model": result.extra.get("served_model"),
         **record_fields(place, episode),

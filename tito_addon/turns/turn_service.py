@@ -331,7 +331,15 @@ class TurnService:
         engine = self.engine
         route = prepared.route
         return BackendTurn(
-            base_url, route.chat_path, chat_body, prepared.prompt, forward, engine.stop_texts, engine.special_ids
+            base_url,
+            route.chat_path,
+            chat_body,
+            prepared.prompt,
+            forward,
+            engine.stop_texts,
+            engine.special_ids,
+            # Generated ids' text as vLLM and sglang check stop strings on it: special tokens skipped, their default.
+            functools.partial(engine.tokenizer.decode, skip_special_tokens=True),
         )
 
     def responder(self, prepared: PreparedTurn, claim: Claim) -> Responder:

@@ -1,0 +1,176 @@
+"""One generation cut by weight updates, resumed until it really ends: its attempts laid end to end.
+
+When a trainer pauses an engine in `abort` mode to load new weights, every generation in flight ends with the tokens
+it has (vLLM `finish_reason: "abort"`, sglang `{"type": "abort"}` with no error status: ../shared/docs/weight-updates.md
+§1.2, §2.3). We hold the exact ids, so the generation goes on as a new engine request on `prompt + partial`, with the
+token budget less what was already sampled; the engine queues it until the resume. The attempts' ids and log-probs
+are concatenated, each attempt's weight-version spans are shifted by the tokens before it, and the turn is answered,
+parsed and recorded once, over the whole completion.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tito_addon.tito_errors import TitoError
+
+ABORT = "abort"
+
+
+class GenerationCut(TitoError):
+    """A generation cut more often, or for longer, than the proxy's resumption bounds allow."""
+
+    status = 503
+    error_type = "generation_cut"
+
+
+@dataclass(frozen=True)
+class ResumePolicy:
+    """How far a cut generation is resumed: `max_resumptions` engine requests after the first, and no new one once
+    `wait_s` have passed since the first cut (0 resumptions: a cut turn is answered with the error at once)."""
+
+    max_resumptions: int = 20
+    wait_s: float = 900.0
+
+
+DEFAULT_RESUME = ResumePolicy()
+
+
+@dataclass
+class Attempt:
+    """What one engine request of the generation gave: its tokens, their log-probs (and the backend's own log-prob
+    entries, for a reply that carries them), the weight-version spans it reported."""
+
+    ids: list[int]
+    logprobs: list[float]
+    spans: list[dict[str, Any]] | None
+    entries: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class StitchedGeneration:
+    """The attempts so far of one generation; `cuts` are the completion offsets where an attempt was aborted."""
+
+    prompt_ids: list[int]
+    policy: ResumePolicy
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entries: list[Any] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+    cuts: list[int] = field(default_factory=list)
+    first_cut_at: float | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.cuts)
+
+    def attempt_prompt(self) -> list[int]:
+        """The ids the next attempt generates from: the turn's prompt and everything sampled so far."""
+        return self.prompt_ids + self.ids if self.ids else self.prompt_ids
+
+    def add(self, attempt: Attempt) -> None:
+        self.attempts.append(attempt)
+        self.ids += attempt.ids
+        self.logprobs += attempt.logprobs
+        self.entries += attempt.entries
+
+    def cut(self, attempt: Attempt) -> None:
+        """An attempt that ended aborted: kept, and the next allowed (else `GenerationCut`)."""
+        self.add(attempt)
+        self.cuts.append(len(self.ids))
+        now = time.monotonic()
+        if self.first_cut_at is None:
+            self.first_cut_at = now
+        if len(self.cuts) > self.policy.max_resumptions:
+            raise GenerationCut(
+                f"the backend aborted this generation {len(self.cuts)} times (a weight update each time, or an "
+                f"abort request) and tito_resume_max is {self.policy.max_resumptions}: nothing was recorded"
+            )
+        if now - self.first_cut_at > self.policy.wait_s:
+            raise GenerationCut(
+                f"the backend kept aborting this generation for {now - self.first_cut_at:.0f} s, longer than "
+                f"tito_resume_wait ({self.policy.wait_s:g} s): nothing was recorded"
+            )
+
+    def left_of(self, budget: Any) -> Any:
+        """A token budget (max_tokens, min_tokens) less what was already sampled; None stays None."""
+        if type(budget) is not int:
+            return budget
+        return max(budget - len(self.ids), 0)
+
+    def spans(self, final: list[dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
+        """Every attempt's spans, shifted by the tokens before it, the same version's neighbours merged; an attempt
+        that reported none covers its tokens with a null version (nothing is invented). None when no attempt said."""
+        merged: list[dict[str, Any]] = []
+        offset = 0
+        said = False
+        for attempt in self.attempts:
+            count = len(attempt.ids)
+            pieces: list[dict[str, Any]] = attempt.spans or [{"version": None, "start": 0, "end": count}]
+            said = said or bool(attempt.spans)
+            for span in pieces:
+                start, end = offset + span["start"], offset + span["end"]
+                if start >= end:
+                    continue
+                if merged and merged[-1]["version"] == span["version"] and merged[-1]["end"] == start:
+                    merged[-1]["end"] = end
+                else:
+                    merged.append({"version": span["version"], "start": start, "end": end})
+            offset += count
+        return merged if said else None
+
+    def record(self) -> dict[str, Any] | None:
+        """What the turn's record says of its attempts: None when the generation was never cut."""
+        if not self.cuts:
+            return None
+        return {"attempts": len(self.attempts), "cuts": list(self.cuts)}
+
+    def stop_cut(self, stops: list[str], decode: Callable[[list[int]], str]) -> int | None:
+        """Where a stop string that straddles a cut ends, in tokens: each engine request checked its stop strings over
+        its own output only, so one that began before a cut and ended after it went unseen. None when none did."""
+        if not stops or not self.cuts:
+            return None
+        if not any(s and s in decode(self.ids) for s in stops):
+            return None
+        low, high = 1, len(self.ids)  # the fewest tokens whose text holds a stop string
+        while low < high:
+            middle = (low + high) // 2
+            if any(s and s in decode(self.ids[:middle]) for s in stops):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def truncate(self, count: int) -> None:
+        """Keep the first `count` tokens (a stop string ended there): later attempts' tokens past it are dropped."""
+        kept = 0
+        for attempt in self.attempts:
+            take = max(min(len(attempt.ids), count - kept), 0)
+            if take < len(attempt.ids):
+                attempt.ids, attempt.logprobs, attempt.entries = attempt.ids[:take], attempt.logprobs[:take], []
+                if attempt.spans:
+                    attempt.spans = [
+                        {**s, "end": min(s["end"], take)} for s in attempt.spans if s["start"] < take
+                    ] or None
+            kept += take
+        self.ids, self.logprobs, self.entries = self.ids[:count], self.logprobs[:count], self.entries[:count]
+        self.cuts = [c for c in self.cuts if c < count]
+
+
+def recorded_spans(spans: list[dict[str, Any]] | None) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A turn's weight version (its last token's) and, when more than one version sampled it, its spans: as
+    `backend_protocol.weight_spans_of` records a single engine request's."""
+    if not spans:
+        return None, None
+    changed = len({span["version"] for span in spans}) > 1
+    return spans[-1]["version"], spans if changed else None
+
+
+def fresh_request_id() -> str:
+    """An engine request id for a resumed attempt, random: sglang aborts every request whose id starts with the one it
+    was asked to abort, so ids made by counting (`turn-1` next to `turn-10`) would be cut together."""
+    return uuid.uuid4().hex

@@ -1,0 +1,250 @@
+"""vLLM's generate step on our ids: the response checked, and the attempts it takes when a weight update aborts it.
+
+`/inference/v1/generate` runs on the exact prompt ids and returns the exact completion ids and log-probs (whole, or
+streamed chunk by chunk). When the trainer pauses the engine in `abort` mode, the generation ends with
+`finish_reason: "abort"` and the tokens it has (../shared/docs/weight-updates.md §2.3): it goes on as a new request on
+`prompt + partial` (`resumed_generation`), and the attempts reach derender, the agent and the record as one
+generation. 0.32+ reports each attempt's `weight_versions`; they are shifted and merged over the whole completion.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from tito_addon.backends.backend_protocol import BackendTurn, checked_ids, checked_logprobs, weight_version_of
+from tito_addon.backends.resumed_generation import (
+    ABORT,
+    Attempt,
+    ResumePolicy,
+    StitchedGeneration,
+    fresh_request_id,
+)
+from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.tito_errors import UpstreamMalformed
+
+GENERATE_PATH = "/inference/v1/generate"
+_TOKEN_ID_STRING = re.compile(r"^token_id:(\d+)$")
+
+#: POST a JSON body to the backend, named for its step in errors: the parsed object and the raw bytes.
+Call = Callable[[str, dict[str, Any], dict[str, str], str], Awaitable[tuple[dict[str, Any], bytes]]]
+
+
+class VllmGeneration:
+    """The generate step of one backend: whole (`run`) or streamed (`events`), resumed across aborts."""
+
+    def __init__(self, client: UpstreamClient, call: Call, resume: ResumePolicy) -> None:
+        self.client = client
+        self.call = call
+        self.resume = resume
+
+    async def run(self, turn: BackendTurn, request: dict[str, Any]) -> tuple[dict[str, Any], StitchedGeneration]:
+        """The generate response for the turn: the backend's own, or, when it aborted the generation (a weight
+        update), the attempts it took to finish laid end to end as one response (`resumed_generation`)."""
+        url = turn.base_url + GENERATE_PATH
+        stitched = StitchedGeneration(turn.prompt_ids, self.resume)
+        attempt_request: dict[str, Any] | None = request
+        first: dict[str, Any] | None = None
+        while attempt_request is not None:
+            generated, _ = await self.call(url, attempt_request, turn.headers, "generate")
+            first = first or generated
+            choice = first_choice(generated)
+            aborted = choice.get("finish_reason") == ABORT
+            if not aborted and not stitched.resumed:
+                return generated, stitched
+            ids, values, finish = harvest_generate(generated, stitched.attempt_prompt(), may_be_empty=aborted)
+            entries = (choice.get("logprobs") or {}).get("content") or []
+            attempt = Attempt(ids, values, attempt_spans(choice.get("weight_versions"), len(ids)), list(entries))
+            if not aborted:
+                stitched.add(attempt)
+                break
+            stitched.cut(attempt)
+            attempt_request = resumed_request(request, stitched)
+            finish = "length"  # unless another attempt runs: the budget was spent before the cut
+        assert first is not None
+        stop_at = stitched.stop_cut(stop_strings(request), turn.output_text) if turn.output_text else None
+        if stop_at is not None:
+            stitched.truncate(stop_at)
+            finish = "stop"
+        return stitched_response(first, generated, stitched, finish, turn.prompt_ids), stitched
+
+    async def events(
+        self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The generate stream of the turn, across the attempts it takes when the backend aborts it (a weight update):
+        an aborted attempt's last chunk goes on without its finish, and the next attempt's chunks follow, so the
+        derender stream (and the agent's) runs on as if nothing was cut. The final chunk carries the spans of all."""
+        url = turn.base_url + GENERATE_PATH
+        attempt_request: dict[str, Any] | None = request
+        while attempt_request is not None:
+            expected = stitched.attempt_prompt()
+            ids: list[int] = []
+            spans: Any = None
+            aborted = False
+            events = self.client.sse_events(url, attempt_request, turn.headers)
+            try:
+                async for event in events:
+                    echoed = event.get("prompt_token_ids")
+                    if echoed is not None and echoed != expected:
+                        raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
+                    if stitched.resumed and echoed is not None:
+                        event = {**event, "prompt_token_ids": None}  # checked here, against this attempt's prompt
+                    choice = (event.get("choices") or [None])[0]
+                    if not isinstance(choice, dict):
+                        yield event
+                        continue
+                    ids += choice.get("token_ids") or []
+                    finish = choice.get("finish_reason")
+                    if finish is None:
+                        yield event
+                        continue
+                    spans = attempt_spans(choice.get("weight_versions"), len(ids))
+                    if finish == ABORT:
+                        aborted = True
+                        if choice.get("token_ids"):
+                            cut = {**choice, "finish_reason": None, "stop_reason": None, "weight_versions": None}
+                            yield {**event, "choices": [cut]}
+                        continue
+                    if stitched.resumed:
+                        stitched.add(Attempt(ids, [], spans))
+                        event = {**event, "choices": [{**choice, "weight_versions": stitched.spans()}]}
+                    yield event
+            finally:
+                await events.aclose()
+            if not aborted:
+                return
+            stitched.cut(Attempt(ids, [], spans))
+            attempt_request = resumed_request(request, stitched)
+        # The budget was spent before the last cut: the generation ends there, as one cut by its length.
+        final = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
+                 "logprobs": {"content": []}, "weight_versions": stitched.spans()}  # fmt: skip
+        yield {"choices": [final]}
+
+
+def resumed_request(request: dict[str, Any], stitched: StitchedGeneration) -> dict[str, Any] | None:
+    """The next attempt: generate on the prompt and everything sampled so far, under a new request id, with the
+    budgets less what was sampled; None when no token is left to sample."""
+    sampling = dict(request["sampling_params"])
+    for key in ("max_tokens", "min_tokens"):
+        if key in sampling:
+            sampling[key] = stitched.left_of(sampling[key])
+    if sampling.get("max_tokens") == 0:
+        return None
+    return {**request, "token_ids": stitched.attempt_prompt(), "request_id": fresh_request_id(),
+            "sampling_params": sampling}  # fmt: skip
+
+
+def stitched_response(
+    first: dict[str, Any], last: dict[str, Any], stitched: StitchedGeneration, finish: Any, prompt_ids: list[int]
+) -> dict[str, Any]:
+    """One generate response for the whole generation, as derender and the record read it (under the first
+    attempt's request id: the reply's id is made from it, and must not show the cut)."""
+    choice = {
+        **first_choice(last),
+        "token_ids": stitched.ids,
+        "logprobs": {"content": stitched.entries},
+        "finish_reason": finish,
+        "weight_versions": stitched.spans(),
+    }
+    if finish != "stop":
+        choice["stop_reason"] = None
+    response = {**last, "choices": [choice], "request_id": first.get("request_id", last.get("request_id"))}
+    if last.get("prompt_token_ids") is not None:
+        response["prompt_token_ids"] = prompt_ids
+    if isinstance(last.get("usage"), dict):
+        prompt, completion = len(prompt_ids), len(stitched.ids)
+        response["usage"] = {**last["usage"], "prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}  # fmt: skip
+    return response
+
+
+def harvest_generate(
+    generated: dict[str, Any], prompt_ids: list[int], may_be_empty: bool = False
+) -> tuple[list[int], list[float], Any]:
+    """The completion ids, their log-probs and the finish reason, checked; `may_be_empty`: an aborted attempt
+    (cut before its first token)."""
+    choice = first_choice(generated)
+    echoed = generated.get("prompt_token_ids")
+    if echoed is not None and echoed != prompt_ids:
+        raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent; nothing was recorded")
+    if may_be_empty and choice.get("token_ids") == []:
+        return [], [], choice.get("finish_reason")
+    completion_ids = checked_ids(choice.get("token_ids"), "completion token ids")
+    block = choice.get("logprobs")
+    entries = block.get("content") if isinstance(block, dict) else None
+    if not isinstance(entries, list):
+        raise UpstreamMalformed("vLLM generate answered without logprobs (the chain forces logprobs on)")
+    if len(entries) != len(completion_ids):
+        raise UpstreamMalformed(
+            f"vLLM generate returned {len(entries)} logprobs for {len(completion_ids)} completion tokens"
+        )
+    values = []
+    for position, (entry, token_id) in enumerate(zip(entries, completion_ids, strict=True)):
+        if not isinstance(entry, dict):
+            raise UpstreamMalformed("vLLM generate returned a logprob entry that is not an object")
+        if _entry_token_id(entry) not in (None, token_id):
+            raise UpstreamMalformed(f"vLLM generate logprob {position} is for another token than token_ids says")
+        values.append(entry.get("logprob"))
+    return completion_ids, checked_logprobs(values, len(completion_ids)), choice.get("finish_reason")
+
+
+def first_choice(generated: dict[str, Any]) -> dict[str, Any]:
+    choices = generated.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise UpstreamMalformed("vLLM generate answered without choices")
+    return choices[0]
+
+
+def stop_strings(request: dict[str, Any]) -> list[str]:
+    stop = (request.get("sampling_params") or {}).get("stop")
+    if isinstance(stop, str):
+        return [stop]
+    return [s for s in stop if isinstance(s, str)] if isinstance(stop, list) else []
+
+
+def attempt_spans(value: Any, count: int) -> list[dict[str, Any]] | None:
+    """One attempt's `weight_versions` (0.32+), when they are well formed and tile its `count` tokens; else None
+    (its tokens are then recorded with no version)."""
+    if not isinstance(value, list) or not value or count == 0:
+        return None
+    spans = []
+    for span in value:
+        if not isinstance(span, dict):
+            return None
+        version, start, end = weight_version_of(span.get("version")), span.get("start"), span.get("end")
+        if version is None or type(start) is not int or type(end) is not int or not 0 <= start < end <= count:
+            return None
+        spans.append({"version": version, "start": start, "end": end})
+    if spans[0]["start"] != 0 or spans[-1]["end"] != count:
+        return None
+    if any(a["end"] != b["start"] for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    return spans
+
+
+def checked_stream_choice(choice: dict[str, Any]) -> list[Any]:
+    """The logprob values of one streamed generate choice, after checking its ids and their logprob entries."""
+    delta_ids = choice.get("token_ids") or []
+    if not isinstance(delta_ids, list) or not all(type(i) is int and i >= 0 for i in delta_ids):
+        raise UpstreamMalformed("vLLM generate streamed token ids that are not non-negative integers")
+    entries = (choice.get("logprobs") or {}).get("content")
+    if not isinstance(entries, list) or len(entries) != len(delta_ids):
+        raise UpstreamMalformed("vLLM generate streamed a chunk whose logprobs do not match its ids")
+    for entry, token_id in zip(entries, delta_ids, strict=True):
+        if not isinstance(entry, dict) or _entry_token_id(entry) not in (None, token_id):
+            raise UpstreamMalformed("vLLM generate streamed a logprob for another token")
+    return [entry.get("logprob") for entry in entries]
+
+
+def _entry_token_id(entry: dict[str, Any]) -> int | None:
+    """The token id a logprob entry is about: 0.32+ `token_id`, earlier `"token": "token_id:N"`."""
+    value = entry.get("token_id")
+    if type(value) is int:
+        return value
+    token = entry.get("token")
+    if isinstance(token, str):
+        match = _TOKEN_ID_STRING.match(token)
+        if match:
+            return int(match.group(1))
+    return None
