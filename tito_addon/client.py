@@ -148,6 +148,7 @@ class AsyncTitoClient:
         group_size: int | None = None,
         group_policy: str = "refuse",
         dedupe_shared_turns: bool = False,
+        mask_offpolicy: bool = False,
     ) -> Any:
         """The rows of several sessions as one export, equal to `python -m tito_addon export --session ID ...`'s:
         `sessions` (ids, in this order), then with `session_prefix` every recorded session whose id starts with it,
@@ -155,9 +156,13 @@ class AsyncTitoClient:
         numbered across all of them. `to`: `jsonl` (a list of dicts), `parquet` (the file's bytes) or `summary`
         (the groups and their sizes, no rows). With `group_size` (slime's `n_samples_per_prompt`, in rows) a group of
         another size is refused (a 409, naming its sessions), left out (`group_policy="drop"`) or padded (`"pad"`).
-        A selection that names no recorded session is refused (a 404 or a 400), never taken as "all of them"."""
+        A selection that names no recorded session is refused (a 404 or a 400), never taken as "all of them".
+        `mask_offpolicy`: sampled tokens of an older weight version than their row's newest train nothing (slime's
+        `--mask-offpolicy-in-partial-rollout`)."""
         body: dict[str, Any] = {"format": format, "to": to, "group_policy": group_policy,
                                 "dedupe_shared_turns": dedupe_shared_turns}  # fmt: skip
+        if mask_offpolicy:
+            body["mask_offpolicy"] = True
         if sessions is not None:
             body["sessions"] = list(sessions)
         if session_prefix is not None:

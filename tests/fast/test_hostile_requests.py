@@ -1010,6 +1010,7 @@ ROWS_BODIES: list = [
     pytest.param(b'{"sessions": ["control-anchor"], "group_size": 1' + b"0" * 400 + b"}", 400, id="group-size-huge"),
     pytest.param(b'{"sessions": ["control-anchor"], "group_policy": "fill"}', 400, id="group-policy-unknown"),
     pytest.param(b'{"sessions": ["control-anchor"], "dedupe_shared_turns": "yes"}', 400, id="dedupe-string"),
+    pytest.param(b'{"sessions": ["control-anchor"], "mask_offpolicy": 1}', 400, id="mask-offpolicy-number"),
     pytest.param(b'{"sessions": ["control-anchor"], "group_size": 2}', 409, id="group-too-small-refused"),
     pytest.param(b'{"sessions": ["control-anchor"], "group_size": 2, "group_policy": "pad"}', 409,
                  id="pad-without-reward"),

@@ -105,12 +105,17 @@ def turns(record_dir: Path, session: str) -> list:
     return found.turns if found is not None else []
 
 
-def export(record_dir: Path, session: str, layout: str, tmp_path: Path) -> list[dict]:
-    out = tmp_path / f"{layout}.jsonl"
-    argv = ["export", str(record_dir), str(out), "--session", session, "--format", layout, "--to", "jsonl"]
+def export(record_dir: Path, session: str, layout: str, tmp_path: Path, *extra: str) -> list[dict]:
+    out = tmp_path / f"{layout}{len(extra)}.jsonl"
+    argv = ["export", str(record_dir), str(out), "--session", session, "--format", layout, "--to", "jsonl", *extra]
     done = subprocess.run([sys.executable, "-m", "tito_addon", *argv], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def row_logprobs(record_dir: Path, session: str, tmp_path: Path) -> list[float]:
+    (row,) = export(record_dir, session, "generic", tmp_path)
+    return row["rollout_logprobs"]
 
 
 def show_json(record_dir: Path, session: str) -> list[dict]:
@@ -156,6 +161,13 @@ def test_an_aborted_generation_is_resumed_to_the_answer_an_uncut_one_gives(proxy
         column = row["rollout_weight_versions"]
         assert column[offset : offset + n] == versions
         assert set(column[:offset] + column[offset + n :]) <= {""}
+        bits = row["loss_mask"] if layout == "generic" else row["response_mask"]
+        assert bits[offset : offset + n] == [1] * n
+    # slime's --mask-offpolicy-in-partial-rollout: the tokens sampled before the update train nothing.
+    (masked,) = export(proxy.record_dir, f"cut-{stream}", "generic", tmp_path, "--mask-offpolicy")
+    at = turn.prompt_len
+    assert masked["loss_mask"][at : at + n] == [0] * cut + [1] * (n - cut)
+    assert masked["rollout_logprobs"] == row_logprobs(proxy.record_dir, f"cut-{stream}", tmp_path)
     (shown,) = show_json(proxy.record_dir, f"cut-{stream}")
     assert shown["resumed"] == {"attempts": 2, "cuts": [cut]} and shown["weight_version"] == "v2"
     assert shown["weight_version_spans"] == turn.weight_version_spans

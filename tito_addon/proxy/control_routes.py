@@ -164,6 +164,7 @@ class RowsBody(ControlRequest):
     group_size: int | None = None
     group_policy: str = "refuse"
     dedupe_shared_turns: bool | None = False
+    mask_offpolicy: bool | None = False
 
     _sessions = checked("sessions", session_ids, "")
     _prefix = checked("session_prefix", lambda v: isinstance(v, str) and v, "session_prefix must be a non-empty string")
@@ -180,10 +181,15 @@ class RowsBody(ControlRequest):
         null=False,
     )
     _dedupe = checked("dedupe_shared_turns", lambda v: isinstance(v, bool), "dedupe_shared_turns must be true or false")
+    _offpolicy = checked("mask_offpolicy", lambda v: isinstance(v, bool), "mask_offpolicy must be true or false")
 
     def options(self) -> ExportOptions:
         return ExportOptions(
-            parse_calls(self.calls), self.group_size, self.group_policy, bool(self.dedupe_shared_turns)
+            parse_calls(self.calls),
+            self.group_size,
+            self.group_policy,
+            bool(self.dedupe_shared_turns),
+            bool(self.mask_offpolicy),
         )
 
 

@@ -57,6 +57,14 @@ class Branch:
                 mask[start : start + len(turn.completion_ids)] = [0] * len(turn.completion_ids)
         return dataclasses.replace(self, mask=mask)
 
+    def masked_offpolicy(self) -> Branch:
+        """This branch with the sampled tokens of other weight versions than its newest (its last versioned sampled
+        token's) out of its mask; tokens whose version is unknown stay in it, as do every token's log-prob."""
+        pairs = list(zip(self.mask, self.versions, strict=True))
+        newest = next((version for bit, version in reversed(pairs) if bit and version), "")
+        mask = [0 if bit and version and version != newest else bit for bit, version in pairs]
+        return dataclasses.replace(self, mask=mask)
+
     def without_mask(self) -> Branch:
         """A copy that trains nothing (a group's padding row)."""
         return dataclasses.replace(self, mask=[0] * len(self.mask))

@@ -28,6 +28,7 @@ field to its source. Parquet output has one fixed schema per layout and no times
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -63,6 +64,9 @@ class ExportOptions:
     group_size: int | None = None
     group_policy: str = "refuse"
     dedupe_shared_turns: bool = False
+    # slime's --mask-offpolicy-in-partial-rollout (slime/utils/arguments.py, its Sample's loss mask in types.py): the
+    # sampled tokens of an older weight version than the row's newest train nothing.
+    mask_offpolicy: bool = False
 
 
 def parse_calls(value: str | None) -> list[str] | None:
@@ -221,6 +225,9 @@ def rows_of(
     )
     if layout == "verl-dataset":
         return verl_dataset_rows(arrangement), arrangement
+    if options.mask_offpolicy:
+        for position, row in enumerate(arrangement.rows):
+            arrangement.rows[position] = dataclasses.replace(row, branch=row.branch.masked_offpolicy())
     make = ROW_MAKERS[layout]
     return [make(row) for row in arrangement.rows], arrangement
 

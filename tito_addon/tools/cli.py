@@ -5,7 +5,7 @@ python -m tito_addon show RECORD_DIR|FILE [SELECTION] [--full] [--width N] [--js
                                                a session as a person reads it: episodes, turns, calls, results
 python -m tito_addon export RECORD_DIR OUT [--format generic|verl|slime|verl-dataset] [--to parquet|jsonl|pt]
                                   [SELECTION] [--group-size N [--group-policy refuse|drop|pad]]
-                                  [--dedupe-shared-turns]
+                                  [--dedupe-shared-turns] [--mask-offpolicy]
                                                one row per segment, grouped, for trainers
 python -m tito_addon audit RECORD_DIR [SELECTION] [--json OUT] [--html PAGE] [--branch SESSION:LEAF]
                                                drift against a stock re-render
@@ -179,13 +179,21 @@ def export_command(argv: list[str]) -> int:
         help="a turn shared by several branches trains in its first row only (default: in every row holding it)",
     )
     parser.add_argument(
+        "--mask-offpolicy",
+        action="store_true",
+        help="sampled tokens of an older weight version than their row's newest train nothing (slime's "
+        "--mask-offpolicy-in-partial-rollout): a turn resumed across a weight update trains only its newest part",
+    )
+    parser.add_argument(
         "--groups-per-file", type=int, metavar="K", help="--to pt: groups per rollout file (default: all)"
     )
     parser.add_argument("--summary", type=Path, metavar="JSON", help="also write each group's episodes and rows here")
     args = parser.parse_args(argv)
     try:
         layout, file_type = resolve_format(args.format, args.to)
-        options = ExportOptions(parse_calls(args.calls), args.group_size, args.group_policy, args.dedupe_shared_turns)
+        options = ExportOptions(
+            parse_calls(args.calls), args.group_size, args.group_policy, args.dedupe_shared_turns, args.mask_offpolicy
+        )
         if args.group_size is not None and args.group_size < 1:
             raise ValueError("--group-size must be at least 1")
         if args.groups_per_file is not None and (file_type != "pt" or args.groups_per_file < 1):
