@@ -22,10 +22,12 @@ import pytest
 from support.basics import tokenizer_path
 from support.proxy_harness import REPO, Mitmdump, post
 
+from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 MESSAGES = [{"role": "user", "content": "Tell me about Paris."}]
+TOKEN = "resume-control-token-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def vllm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def proxy(vllm, tmp_path_factory):
     record_dir = tmp_path_factory.mktemp("rec")
-    options = {"tito_backend_kind": "vllm", "tito_resume_max": "3"}
+    options = {"tito_backend_kind": "vllm", "tito_resume_max": "3", "tito_control_token": TOKEN}
     with Mitmdump(
         vllm.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=record_dir.parent, options=options
     ) as running:
@@ -168,6 +170,9 @@ def test_an_aborted_generation_is_resumed_to_the_answer_an_uncut_one_gives(proxy
     at = turn.prompt_len
     assert masked["loss_mask"][at : at + n] == [0] * cut + [1] * (n - cut)
     assert masked["rollout_logprobs"] == row_logprobs(proxy.record_dir, f"cut-{stream}", tmp_path)
+    with TitoClient(proxy.url, TOKEN) as tito:  # the driver's view of the session
+        (summary,) = tito.sessions(prefix=f"cut-{stream}")
+    assert summary["resumed_turns"] == 1 and summary["attempts"] == 2
     (shown,) = show_json(proxy.record_dir, f"cut-{stream}")
     assert shown["resumed"] == {"attempts": 2, "cuts": [cut]} and shown["weight_version"] == "v2"
     assert shown["weight_version_spans"] == turn.weight_version_spans

@@ -46,7 +46,8 @@ class RowsExport:
 
 
 def summary_of(recorded: SessionFile) -> dict[str, Any] | None:
-    """What a record says of a session: turns, tokens, branches, the last turn's time, whether it is closed."""
+    """What a record says of a session: turns, tokens, branches, the last turn's time, whether it is closed, how many
+    turns were resumed across a weight update."""
     lines = [*recorded.turns, *recorded.closes, *recorded.annotations, *recorded.withdrawn]
     if not lines:
         return None
@@ -61,6 +62,9 @@ def summary_of(recorded: SessionFile) -> dict[str, Any] | None:
         "last_turn_at": last_turn or None,
         "closed": close.reason if close is not None else None,
         "annotation_count": len(recorded.annotations),
+        # Turns whose generation a weight update cut and the proxy resumed, and the engine requests all turns took.
+        "resumed_turns": sum(1 for turn in recorded.turns if turn.resumed),
+        "attempts": sum(turn.resumed.attempts if turn.resumed else 1 for turn in recorded.turns),
     }
 
 
