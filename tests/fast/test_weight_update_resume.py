@@ -165,6 +165,9 @@ def test_an_aborted_generation_is_resumed_to_the_answer_an_uncut_one_gives(proxy
         assert set(column[:offset] + column[offset + n :]) <= {""}
         bits = row["loss_mask"] if layout == "generic" else row["response_mask"]
         assert bits[offset : offset + n] == [1] * n
+    # slime's own weight_versions: one per generate call, here one per attempt.
+    (sample,) = export(proxy.record_dir, f"cut-{stream}", "slime", tmp_path)
+    assert sample["weight_versions"] == ["default", "v2"]
     # slime's --mask-offpolicy-in-partial-rollout: the tokens sampled before the update train nothing.
     (masked,) = export(proxy.record_dir, f"cut-{stream}", "generic", tmp_path, "--mask-offpolicy")
     at = turn.prompt_len

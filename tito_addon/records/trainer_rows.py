@@ -193,8 +193,20 @@ def slime_row(row: PlacedRow) -> dict[str, Any]:
         "loss_mask": branch.mask[cut:],
         "rollout_log_probs": branch.logprobs[cut:],
         "status": SLIME_STATUS.get(leaf.finish_reason or "", "completed"),
+        # slime appends one `meta_info.weight_version` per generate call (`sglang_rollout.py`): a turn resumed across a
+        # weight update made one call per attempt, each answered with the version current at its end.
         **_tail(row),
+        "weight_versions": [version for turn in branch.path for version in attempt_versions(turn)],
     }
+
+
+def attempt_versions(turn: TurnRecord) -> list[str | None]:
+    """The weight version each engine request of the turn ended under (one for a turn never cut)."""
+    if turn.resumed is None:
+        return [turn.weight_version]
+    versions = turn.token_weight_versions()
+    ends = [*turn.resumed.cuts, len(versions)]
+    return [versions[end - 1] if end else None for end in ends]
 
 
 ROW_MAKERS: dict[str, Callable[[PlacedRow], dict[str, Any]]] = {
