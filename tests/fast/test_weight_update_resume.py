@@ -176,6 +176,14 @@ def test_an_aborted_generation_is_resumed_to_the_answer_an_uncut_one_gives(proxy
     with TitoClient(proxy.url, TOKEN) as tito:  # the driver's view of the session
         (summary,) = tito.sessions(prefix=f"cut-{stream}")
     assert summary["resumed_turns"] == 1 and summary["attempts"] == 2
+    # The drift audit says which turns were resumed, and where.
+    report = tmp_path / "audit.json"
+    audit = subprocess.run([sys.executable, "-m", "tito_addon", "audit", str(proxy.record_dir), "--json", str(report)],
+                           cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert audit.returncode == 0, audit.stderr
+    assert f"cut-{stream} turn 0: resumed after a weight update cut it at [{cut}]" in audit.stdout
+    (branch,) = [b for b in json.loads(report.read_text()) if b["session_id"] == f"cut-{stream}"]
+    assert branch["resumed_turns"] == {"0": [cut]}
     (shown,) = show_json(proxy.record_dir, f"cut-{stream}")
     assert shown["resumed"] == {"attempts": 2, "cuts": [cut]} and shown["weight_version"] == "v2"
     assert shown["weight_version_spans"] == turn.weight_version_spans

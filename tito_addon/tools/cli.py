@@ -372,6 +372,9 @@ def audit_command(argv: list[str]) -> int:
     console = Console(width=200)
     console.print(table)
     console.print(f"{len(audits)} branches; drift spans by kind: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+    for audit in audits:
+        for turn_id, cuts in audit.resumed.items():  # its ids are the attempts' together, exactly as sampled
+            console.print(f"{audit.session_id} turn {turn_id}: resumed after a weight update cut it at {cuts}")
     if args.json:
         args.json.write_text(json.dumps([a.as_dict() for a in audits], ensure_ascii=False, indent=1), "utf-8")
     if args.html:

@@ -102,6 +102,8 @@ class BranchAudit:
     tokens: int
     spans: list[DriftSpan] = field(default_factory=list)
     per_turn: dict[int, int] = field(default_factory=dict)  # turn id -> differing recorded tokens
+    # turn id -> where a weight update cut its generation (completion offsets), for the branch's resumed turns
+    resumed: dict[int, list[int]] = field(default_factory=dict)
 
     def kinds(self) -> Counter[str]:
         return Counter(span.kind for span in self.spans)
@@ -112,6 +114,7 @@ class BranchAudit:
             "leaf_turn_id": self.leaf_turn_id,
             "tokens": self.tokens,
             "differing_tokens_per_turn": self.per_turn,
+            "resumed_turns": self.resumed,
             "kinds": dict(self.kinds()),
             "spans": [span.as_dict() for span in self.spans],
         }
@@ -145,6 +148,7 @@ def audit_session(session_file: SessionFile, tokenizer: Any) -> list[BranchAudit
         rerendered = list(tokenizer.encode(text, add_special_tokens=False))
         audit = BranchAudit(leaf.session_id, leaf.turn_id, len(recorded), classify(recorded, rerendered, tokenizer))
         audit.per_turn = _per_turn(path, audit.spans)
+        audit.resumed = {turn.turn_id: list(turn.resumed.cuts) for turn in path if turn.resumed}
         audits.append(audit)
     return audits
 
