@@ -384,6 +384,18 @@ def test_a_responses_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Pat
     assert [t.reply_id for t in turns] == [first.id, answer.id]
 
 
+TOKENS = 2000  # long enough that a pause 1 s into the generation finds it running on these CPUs
+
+
+def generating(tap: UpstreamTap, before: int) -> None:
+    """Returns while vLLM generates: a generate call after the first `before` has begun, 1 s ago."""
+    deadline = time.monotonic() + 60
+    while len(tap.of("/inference/v1/generate")) <= before:
+        assert time.monotonic() < deadline, "no generate call began"
+        time.sleep(0.01)
+    time.sleep(1.0)
+
+
 def trainer_update(vllm_url: str, mode: str, version: str) -> None:
     """What an async RL trainer does around a weight update (VLLM_SERVER_DEV_MODE=1): pause, relabel, resume."""
     assert post_json(f"{vllm_url}/pause?mode={mode}", {}) == {"status": "paused"}
@@ -404,67 +416,66 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
             base_url=proxy.url + "/v1", api_key="e2e", default_headers={"x-session-id": "update"}, max_retries=0
         )
         long = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Ramble."}], "temperature": 1.0,
-                "seed": 3, "max_tokens": 600, "extra_body": {"min_tokens": 600}}  # fmt: skip
-        # 1. A streamed turn, cut by an abort once the agent has read 40 chunks.
-        seen = threading.Event()
+                "seed": 3, "max_tokens": TOKENS, "extra_body": {"min_tokens": TOKENS}}  # fmt: skip
+        client.chat.completions.create(**{**long, "max_tokens": 4, "extra_body": {}})  # a warm engine, not a cold one
+        # 1. A streamed turn, cut by an abort while vLLM generates it (the tap sees the generate call begin).
         streamed: list[str] = []
+        failed: list[BaseException] = []
 
         def agent() -> None:
-            with client.chat.completions.stream(**long) as events:
-                for event in events:
-                    if event.type == "content.delta" or event.type == "reasoning.delta":
-                        streamed.append(getattr(event, "delta", ""))
-                    if len(streamed) >= 40:
-                        seen.set()
-                streamed.append(events.get_final_completion().choices[0].finish_reason)
+            finish = None
+            try:
+                for chunk in client.chat.completions.create(**long, stream=True):
+                    for choice in chunk.choices:
+                        streamed.append(choice.delta.content or "")
+                        finish = choice.finish_reason or finish
+            except BaseException as exc:  # handed to the test
+                failed.append(exc)
+            streamed.append(finish or "")
 
         thread = threading.Thread(target=agent)
         thread.start()
-        assert seen.wait(120), "the generation did not get under way"
+        generating(tap, before=1)
         trainer_update(vllm_url, "abort", "v2")
         thread.join(300)
-        assert streamed[-1] == "length"
+        assert not failed and streamed[-1] == "length", failed
         # 2. A whole turn, held by a keep pause while the label changes.
         held: dict = {}
         whole = {**long, "seed": 4}
         second = threading.Thread(target=lambda: held.update(reply=client.chat.completions.create(**whole)))
         before = len(tap.of("/inference/v1/generate"))
         second.start()
-        deadline = time.monotonic() + 60
-        while len(tap.of("/inference/v1/generate")) == before:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(1.0)  # mid-generation
+        generating(tap, before)
         trainer_update(vllm_url, "keep", "v3")
         second.join(300)
         assert held["reply"].choices[0].finish_reason == "length"
 
     recorded = read_session_file(record_dir / "update.jsonl")
-    first, kept = recorded.turns[0], recorded.turns[-1]
+    first, kept = recorded.turns[1], recorded.turns[-1]
     ids = recorded.full_ids()
-    generates = tap.of("/inference/v1/generate")
+    generates = tap.of("/inference/v1/generate")[1:]
     # The streamed turn: two engine requests, the second on the first's prompt and its partial output, exactly.
     cut, rest = generates[0], generates[1]
     cut_events, rest_events = generate_events(cut), generate_events(rest)
     partial = [i for e in cut_events if e.get("choices") for i in e["choices"][0]["token_ids"]]
     finishes = [e["choices"][0]["finish_reason"] for e in cut_events if e.get("choices")]
-    assert finishes[-1] == "abort" and 0 < len(partial) < 600
+    assert finishes[-1] == "abort" and 0 < len(partial) < TOKENS
     prompt, completion = ids[first.turn_id]
     assert cut["request"]["token_ids"] == prompt and rest["request"]["token_ids"] == prompt + partial
-    assert rest["request"]["sampling_params"]["max_tokens"] == 600 - len(partial)
+    assert rest["request"]["sampling_params"]["max_tokens"] == TOKENS - len(partial)
     tail = [i for e in rest_events if e.get("choices") for i in e["choices"][0]["token_ids"]]
-    assert completion == partial + tail and len(completion) == 600
+    assert completion == partial + tail and len(completion) == TOKENS
     logprobs = [x["logprob"] for e in cut_events + rest_events if e.get("choices")
                 for x in e["choices"][0]["logprobs"]["content"]]  # fmt: skip
     assert first.completion_logprobs == logprobs
     assert first.resumed is not None and first.resumed.attempts == 2 and first.resumed.cuts == [len(partial)]
     assert first.weight_version_spans == [
         {"version": "default", "start": 0, "end": len(partial)},
-        {"version": "v2", "start": len(partial), "end": 600},
+        {"version": "v2", "start": len(partial), "end": TOKENS},
     ]
     # The kept turn: one request, its spans split where the label changed.
     assert len(generates) == 3 and kept.resumed is None
     kept_ids = generates[2]["response"]["choices"][0]["token_ids"]
-    assert ids[kept.turn_id][1] == kept_ids and len(kept_ids) == 600
+    assert ids[kept.turn_id][1] == kept_ids and len(kept_ids) == TOKENS
     assert [s["version"] for s in kept.weight_version_spans] == ["v2", "v3"]
-    print(f"\ncut after {len(partial)} of 600 tokens; kept turn spans {kept.weight_version_spans}")
+    print(f"\ncut after {len(partial)} of {TOKENS} tokens; kept turn spans {kept.weight_version_spans}")

@@ -77,6 +77,7 @@ class VllmGeneration:
         derender stream (and the agent's) runs on as if nothing was cut. The final chunk carries the spans of all."""
         url = turn.base_url + GENERATE_PATH
         attempt_request: dict[str, Any] | None = request
+        last: dict[str, Any] = {}
         while attempt_request is not None:
             expected = stitched.attempt_prompt()
             ids: list[int] = []
@@ -85,6 +86,7 @@ class VllmGeneration:
             events = self.client.sse_events(url, attempt_request, turn.headers)
             try:
                 async for event in events:
+                    last = event
                     echoed = event.get("prompt_token_ids")
                     if echoed is not None and echoed != expected:
                         raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
@@ -119,7 +121,7 @@ class VllmGeneration:
         # The budget was spent before the last cut: the generation ends there, as one cut by its length.
         final = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
                  "logprobs": {"content": []}, "weight_versions": stitched.spans()}  # fmt: skip
-        yield {"choices": [final]}
+        yield {**last, "usage": None, "prompt_token_ids": None, "choices": [final]}
 
 
 def resumed_request(request: dict[str, Any], stitched: StitchedGeneration) -> dict[str, Any] | None:
