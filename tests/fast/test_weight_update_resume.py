@@ -75,7 +75,7 @@ def ask(proxy: Mitmdump, session: str, *, stream: bool) -> tuple[str, list[int] 
     return "".join(text), None
 
 
-def cut_mid_generation(engine, mode: str, after_tokens: int = 12) -> None:
+def cut_mid_generation(engine, mode: str, after_tokens: int = 12, while_paused=None) -> None:
     """The trainer's side: once a generation has sampled `after_tokens`, pause in `mode`, load "v2", resume."""
     deadline = time.monotonic() + 20
     while not any(len(g.labels) >= after_tokens for g in list(engine.backend.pause.in_flight.values())):
@@ -84,7 +84,20 @@ def cut_mid_generation(engine, mode: str, after_tokens: int = 12) -> None:
     assert post(engine.url + f"/pause?mode={mode}").json() == {"status": "paused"}
     assert post(engine.url + "/update_weight_version", json={"new_version": "v2"}).status_code == 200
     time.sleep(0.2)  # the update takes a while; the agent's request waits
+    if while_paused is not None:
+        while_paused()
     assert post(engine.url + "/resume").json() == {"status": "resumed"}
+
+
+def generations_cut(proxy: Mitmdump, resuming: int | None = None) -> dict:
+    """The control API's count of generations a weight update cut; with `resuming`, once that many are resuming."""
+    deadline = time.monotonic() + 15
+    with TitoClient(proxy.url, TOKEN) as tito:
+        while True:
+            counts = tito.info()["generations_cut"]
+            if resuming is None or counts["resuming"] == resuming or time.monotonic() > deadline:
+                return counts
+            time.sleep(0.02)
 
 
 def during(fn, *args, **kwargs):
@@ -133,9 +146,14 @@ def test_an_aborted_generation_is_resumed_to_the_answer_an_uncut_one_gives(proxy
     (uncut,) = turns(proxy.record_dir, f"uncut-{stream}")
     engine.backend.reset()
 
+    before = generations_cut(proxy)
+    seen: dict = {}
     thread, out = during(ask, proxy, f"cut-{stream}", stream=stream)
-    cut_mid_generation(engine, "abort")
+    # While the engine is paused, a driver sees the cut turn waiting to be resumed; after, the update drained.
+    cut_mid_generation(engine, "abort", while_paused=lambda: seen.update(paused=generations_cut(proxy, 1)))
     thread.join(60)
+    assert seen["paused"]["resuming"] == 1 and seen["paused"]["cuts"] == before["cuts"] + 1
+    assert generations_cut(proxy) == {"resuming": 0, "resumed": before["resumed"] + 1, "cuts": before["cuts"] + 1}
     assert "error" not in out, out.get("error")
     assert out["value"][0] == uncut_text  # the agent sees no trace of the cut
 

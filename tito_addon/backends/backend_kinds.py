@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tito_addon.backends.backend_protocol import Backend
-from tito_addon.backends.resumed_generation import DEFAULT_RESUME, ResumePolicy
+from tito_addon.backends.resumed_generation import DEFAULT_RESUME, ResumePolicy, ResumeStats
 from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.backends.vllm_backend import VllmBackend
@@ -19,6 +19,7 @@ def make_backend(
     merge_stream_chunks: bool = False,
     compact_requests: bool = False,
     resume: ResumePolicy = DEFAULT_RESUME,
+    resume_stats: ResumeStats | None = None,
 ) -> Backend:
     """`merge_stream_chunks`: vLLM may derender the generate chunks that arrived during a call as one (see
     `ModelFamily.chunking_invariant_parsers`); `compact_requests`: the parsers are sent only what they read (vLLM
@@ -28,6 +29,10 @@ def make_backend(
         return SglangBackend(client, verify_echo=verify_echo, compact_requests=compact_requests)
     if kind == "vllm":
         return VllmBackend(
-            client, merge_stream_chunks=merge_stream_chunks, compact_requests=compact_requests, resume=resume
+            client,
+            merge_stream_chunks=merge_stream_chunks,
+            compact_requests=compact_requests,
+            resume=resume,
+            resume_stats=resume_stats,
         )
     raise ValueError(f"unknown backend kind {kind!r}; choose one of: {', '.join(BACKENDS)}")

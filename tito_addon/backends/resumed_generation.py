@@ -41,6 +41,17 @@ DEFAULT_RESUME = ResumePolicy()
 
 
 @dataclass
+class ResumeStats:
+    """This process's generations that a weight update cut: those resuming now (cut and not ended: held by the paused
+    engine, or generating again), those that ended after being resumed, and every cut. A driver reads them from the
+    control API's `/v1/info` to see an update drain."""
+
+    resuming: int = 0
+    resumed: int = 0
+    cuts: int = 0
+
+
+@dataclass
 class Attempt:
     """What one engine request of the generation gave: its tokens, their log-probs (and the backend's own log-prob
     entries, for a reply that carries them), the weight-version spans it reported."""
@@ -63,6 +74,8 @@ class StitchedGeneration:
     attempts: list[Attempt] = field(default_factory=list)
     cuts: list[int] = field(default_factory=list)
     first_cut_at: float | None = None
+    stats: ResumeStats | None = None
+    ended: bool = False
 
     @property
     def resumed(self) -> bool:
@@ -80,6 +93,9 @@ class StitchedGeneration:
 
     def cut(self, attempt: Attempt) -> None:
         """An attempt that ended aborted: kept, and the next allowed (else `GenerationCut`)."""
+        if self.stats is not None:
+            self.stats.resuming += not self.cuts
+            self.stats.cuts += 1
         self.add(attempt)
         self.cuts.append(len(self.ids))
         now = time.monotonic()
@@ -95,6 +111,13 @@ class StitchedGeneration:
                 f"the backend kept aborting this generation for {now - self.first_cut_at:.0f} s, longer than "
                 f"tito_resume_wait ({self.policy.wait_s:g} s): nothing was recorded"
             )
+
+    def end(self, finished: bool) -> None:
+        """The generation is over: `finished` when it reached its end (else it failed, or its agent left)."""
+        if self.stats is not None and self.cuts and not self.ended:
+            self.stats.resuming -= 1
+            self.stats.resumed += finished
+        self.ended = True
 
     def left_of(self, budget: Any) -> Any:
         """A token budget (max_tokens, min_tokens) less what was already sampled; None stays None."""

@@ -37,7 +37,12 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
-from tito_addon.backends.resumed_generation import DEFAULT_RESUME, ResumePolicy, StitchedGeneration, recorded_spans
+from tito_addon.backends.resumed_generation import (
+    DEFAULT_RESUME,
+    ResumePolicy,
+    ResumeStats,
+    recorded_spans,
+)
 from tito_addon.backends.server_facts import ServerFacts, ask_served_models
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
@@ -93,9 +98,10 @@ class VllmBackend:
         merge_stream_chunks: bool = False,
         compact_requests: bool = False,
         resume: ResumePolicy = DEFAULT_RESUME,
+        resume_stats: ResumeStats | None = None,
     ) -> None:
         self.client = client
-        self.generation = VllmGeneration(client, self._call, resume)
+        self.generation = VllmGeneration(client, self._call, resume, resume_stats or ResumeStats())
         # Kept also where the server did not say (then only the 0.24 wire features are used).
         self.versions = ServerFacts(self._ask_version)
         self.models = ServerFacts(functools.partial(ask_served_models, client))
@@ -253,7 +259,7 @@ class VllmBackend:
         derender_chat = derender_chat_request(
             chat, compact=self.compact_requests, streaming=True, refuses_stop=version.at_least(0, 33)
         )
-        stitched = StitchedGeneration(turn.prompt_ids, self.generation.resume)
+        stitched = self.generation.stitched(turn)
         events = self.generation.events(turn, request, stitched)
         # One derender call at a time: the generate chunks that arrive meanwhile go to the next call as one chunk.
         stream = batches(events)

@@ -18,6 +18,7 @@ from tito_addon.backends.resumed_generation import (
     ABORT,
     Attempt,
     ResumePolicy,
+    ResumeStats,
     StitchedGeneration,
     fresh_request_id,
 )
@@ -34,16 +35,31 @@ Call = Callable[[str, dict[str, Any], dict[str, str], str], Awaitable[tuple[dict
 class VllmGeneration:
     """The generate step of one backend: whole (`run`) or streamed (`events`), resumed across aborts."""
 
-    def __init__(self, client: UpstreamClient, call: Call, resume: ResumePolicy) -> None:
+    def __init__(self, client: UpstreamClient, call: Call, resume: ResumePolicy, stats: ResumeStats) -> None:
         self.client = client
         self.call = call
         self.resume = resume
+        self.stats = stats
+
+    def stitched(self, turn: BackendTurn) -> StitchedGeneration:
+        return StitchedGeneration(turn.prompt_ids, self.resume, stats=self.stats)
 
     async def run(self, turn: BackendTurn, request: dict[str, Any]) -> tuple[dict[str, Any], StitchedGeneration]:
         """The generate response for the turn: the backend's own, or, when it aborted the generation (a weight
         update), the attempts it took to finish laid end to end as one response (`resumed_generation`)."""
+        stitched = self.stitched(turn)
+        finished = False
+        try:
+            response = await self._attempts(turn, request, stitched)
+            finished = True
+            return response, stitched
+        finally:
+            stitched.end(finished)
+
+    async def _attempts(
+        self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
+    ) -> dict[str, Any]:
         url = turn.base_url + GENERATE_PATH
-        stitched = StitchedGeneration(turn.prompt_ids, self.resume)
         attempt_request: dict[str, Any] | None = request
         first: dict[str, Any] | None = None
         while attempt_request is not None:
@@ -52,7 +68,7 @@ class VllmGeneration:
             choice = first_choice(generated)
             aborted = choice.get("finish_reason") == ABORT
             if not aborted and not stitched.resumed:
-                return generated, stitched
+                return generated
             ids, values, finish = harvest_generate(generated, stitched.attempt_prompt(), may_be_empty=aborted)
             entries = (choice.get("logprobs") or {}).get("content") or []
             attempt = Attempt(ids, values, attempt_spans(choice.get("weight_versions"), len(ids)), list(entries))
@@ -67,7 +83,7 @@ class VllmGeneration:
         if stop_at is not None:
             stitched.truncate(stop_at)
             finish = "stop"
-        return stitched_response(first, generated, stitched, finish, turn.prompt_ids), stitched
+        return stitched_response(first, generated, stitched, finish, turn.prompt_ids)
 
     async def events(
         self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
@@ -75,6 +91,17 @@ class VllmGeneration:
         """The generate stream of the turn, across the attempts it takes when the backend aborts it (a weight update):
         an aborted attempt's last chunk goes on without its finish, and the next attempt's chunks follow, so the
         derender stream (and the agent's) runs on as if nothing was cut. The final chunk carries the spans of all."""
+        finished = False
+        try:
+            async for event in self._streamed_attempts(turn, request, stitched):
+                yield event
+            finished = True
+        finally:
+            stitched.end(finished)
+
+    async def _streamed_attempts(
+        self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
+    ) -> AsyncIterator[dict[str, Any]]:
         url = turn.base_url + GENERATE_PATH
         attempt_request: dict[str, Any] | None = request
         last: dict[str, Any] = {}

@@ -12,6 +12,7 @@ answered here: what a driver must know of this proxy's configuration before it r
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -56,6 +57,8 @@ def proxy_info(wiring: TurnWiring) -> dict[str, Any]:
         "backend_kind": settings.backend_kind if settings is not None else None,
         "model_family": settings.model_family if settings is not None else None,
         "tokenizer": (settings.tokenizer or None) if settings is not None else None,
+        # Generations a weight update cut, in this process: resuming now (0 once an update has drained), resumed.
+        "generations_cut": dataclasses.asdict(wiring.resume_stats),
     }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tito_addon.backends.backend_kinds import make_backend
 from tito_addon.backends.backend_routes import BackendRoutes, backend_url_from_env
-from tito_addon.backends.resumed_generation import ResumePolicy
+from tito_addon.backends.resumed_generation import ResumePolicy, ResumeStats
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.prompt_ids import EncodedPrefixes
@@ -49,6 +49,7 @@ class TurnWiring:
         self.settings: TitoSettings | None = None
         self.engine: TokenEngine | None = None
         self.service: TurnService | None = None
+        self.resume_stats = ResumeStats()  # the process's, across reconfigurations
         self.client = UpstreamClient()
         self.prefixes = EncodedPrefixes()
         self.memory = MemorySessions()
@@ -99,6 +100,7 @@ class TurnWiring:
             merge_stream_chunks=engine.family.chunking_invariant_parsers,
             compact_requests=engine.family.compact_requests,
             resume=ResumePolicy(settings.resume_max, settings.resume_wait),
+            resume_stats=self.resume_stats,
         )
         # With a shared store several processes write turns of one session: each its own part of the file.
         records = FileRecords(settings.record_dir, writer=self.writer_id if shared else None)
