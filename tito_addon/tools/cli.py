@@ -22,19 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_reader import (
-    RecordError,
-    SessionFile,
-    base_name,
-    iter_session_files,
-    merge_parts,
-    read_session,
-    session_parts,
-)
+from tito_addon.records.record_reader import RecordError, iter_session_files, session_parts
+from tito_addon.tools.selection_args import add_selection, selection, shown_sessions
 
 # Replay answers every chat turn itself; the reverse target is never contacted (connection_strategy=lazy). It is
 # named for what it is in mitmproxy's own listening line, on a name that never resolves (RFC 2606).
@@ -49,54 +42,6 @@ def run_mitmdump(args: list[str]) -> int:
     # not close the client's connection before the addon sees the request.
     mitmdump(["-s", script, "--set", "connection_strategy=lazy", *args])
     return 0
-
-
-def shown_sessions(path: Path, session_ids: list[str] | None) -> Iterator[SessionFile]:
-    """What `show` reads: every session of a record dir, the named ones (whole ids), or the session of one record
-    file (with its other writers' parts beside it, without which its turns may not rebuild)."""
-    if path.is_file():
-        if session_ids is not None:
-            raise RecordError("--session names sessions of a record dir; a record file is already one session")
-        yield merge_parts(session_parts(path.parent).get(base_name(path.name), [path]))
-        return
-    if session_ids is None:
-        yield from iter_session_files(path)
-        return
-    if not path.is_dir():
-        raise RecordError(f"{path} is not a directory")
-    for session_id in dict.fromkeys(session_ids):
-        session_file = read_session(path, session_id)
-        if session_file is None:
-            raise RecordError(f"no session {session_id!r} in {path}")
-        yield session_file
-
-
-def add_selection(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--session", action="append", metavar="ID", help=f"{what} this session, its whole id (repeatable)"
-    )
-    parser.add_argument(
-        "--session-prefix",
-        action="append",
-        metavar="P",
-        help=f"{what} every session whose id starts with P, in id order (repeatable)",
-    )
-    parser.add_argument(
-        "--sessions-file",
-        type=Path,
-        metavar="FILE",
-        help=f"{what} the sessions named in FILE: one id a line, blank and # lines skipped",
-    )
-
-
-def selection(args: argparse.Namespace) -> list[str] | None:
-    """The ids `--session`, `--sessions-file` and `--session-prefix` name, or None (every session)."""
-    from tito_addon.records.session_selection import select_sessions
-
-    if args.record_dir.is_file():
-        asked = args.session or args.session_prefix or args.sessions_file
-        return [] if asked else None  # `shown_sessions` refuses a selection on one file
-    return select_sessions(args.record_dir, args.session, args.session_prefix, args.sessions_file)
 
 
 def show(argv: list[str]) -> int:
