@@ -213,6 +213,8 @@ class GenerateEndpoint(VllmEndpoint):
         gen["labels"] = generation.labels
         if produced < len(gen["ids"]):
             self.cut(gen, produced)
+        with self._lock:
+            gen["entry"]["labels"] = list(generation.labels)
 
     def cut(self, gen: dict[str, Any], produced: int) -> None:
         """The generation was aborted after `produced` tokens: it answers with those, and its plan is kept."""
@@ -284,6 +286,8 @@ class GenerateEndpoint(VllmEndpoint):
                     await asyncio.sleep(delay)
                 if request.transport is None or request.transport.is_closing():
                     raise ConnectionResetError("client went away")
+            with self._lock:
+                gen["entry"]["labels"] = list(generation.labels)
             if produced < planned:  # aborted: vLLM still sends its terminal chunk, with no new tokens
                 self.cut(gen, produced)
                 await send(self._stream_event(body, gen, produced, fault, final=True))

@@ -75,7 +75,8 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
         self.tokenizer = load_tokenizer(config.tokenizer)
         #: ``(path, parsed body)`` of every POST to render / generate / derender, in order
         self.received: list[tuple[str, dict[str, Any]]] = []
-        #: per successful generate: ``{"prompt_ids", "completion_ids", "logprobs"}``
+        #: per successful generate: ``{"prompt_ids", "completion_ids", "logprobs"}``, and once it ended ``"labels"``
+        #: (the weight label each token was sampled under)
         self.generated: list[dict[str, Any]] = []
         self.completed_streams = 0
         self.cancelled_streams = 0
