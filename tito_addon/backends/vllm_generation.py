@@ -91,64 +91,59 @@ class VllmGeneration:
         """The generate stream of the turn, across the attempts it takes when the backend aborts it (a weight update):
         an aborted attempt's last chunk goes on without its finish, and the next attempt's chunks follow, so the
         derender stream (and the agent's) runs on as if nothing was cut. The final chunk carries the spans of all."""
-        finished = False
-        try:
-            async for event in self._streamed_attempts(turn, request, stitched):
-                yield event
-            finished = True
-        finally:
-            stitched.end(finished)
-
-    async def _streamed_attempts(
-        self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
-    ) -> AsyncIterator[dict[str, Any]]:
         url = turn.base_url + GENERATE_PATH
         attempt_request: dict[str, Any] | None = request
         last: dict[str, Any] = {}
-        while attempt_request is not None:
-            expected = stitched.attempt_prompt()
-            ids: list[int] = []
-            spans: Any = None
-            aborted = False
-            events = self.client.sse_events(url, attempt_request, turn.headers)
-            try:
-                async for event in events:
-                    last = event
-                    echoed = event.get("prompt_token_ids")
-                    if echoed is not None and echoed != expected:
-                        raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
-                    if stitched.resumed and echoed is not None:
-                        event = {**event, "prompt_token_ids": None}  # checked here, against this attempt's prompt
-                    choice = (event.get("choices") or [None])[0]
-                    if not isinstance(choice, dict):
+        finished = False
+        try:
+            while attempt_request is not None:
+                expected = stitched.attempt_prompt()
+                ids: list[int] = []
+                spans: Any = None
+                aborted = False
+                events = self.client.sse_events(url, attempt_request, turn.headers)
+                try:
+                    async for event in events:
+                        last = event
+                        echoed = event.get("prompt_token_ids")
+                        if echoed is not None and echoed != expected:
+                            raise UpstreamMalformed("vLLM generate ran on different prompt ids than it was sent")
+                        if stitched.resumed and echoed is not None:
+                            event = {**event, "prompt_token_ids": None}  # checked here, against this attempt's prompt
+                        choice = (event.get("choices") or [None])[0]
+                        if not isinstance(choice, dict):
+                            yield event
+                            continue
+                        ids += choice.get("token_ids") or []
+                        finish = choice.get("finish_reason")
+                        if finish is None:
+                            yield event
+                            continue
+                        spans = attempt_spans(choice.get("weight_versions"), len(ids))
+                        if finish == ABORT:
+                            aborted = True
+                            if choice.get("token_ids"):
+                                cut = {**choice, "finish_reason": None, "stop_reason": None, "weight_versions": None}
+                                yield {**event, "choices": [cut]}
+                            continue
+                        if stitched.resumed:
+                            stitched.add(Attempt(ids, [], spans))
+                            event = {**event, "choices": [{**choice, "weight_versions": stitched.spans()}]}
                         yield event
-                        continue
-                    ids += choice.get("token_ids") or []
-                    finish = choice.get("finish_reason")
-                    if finish is None:
-                        yield event
-                        continue
-                    spans = attempt_spans(choice.get("weight_versions"), len(ids))
-                    if finish == ABORT:
-                        aborted = True
-                        if choice.get("token_ids"):
-                            cut = {**choice, "finish_reason": None, "stop_reason": None, "weight_versions": None}
-                            yield {**event, "choices": [cut]}
-                        continue
-                    if stitched.resumed:
-                        stitched.add(Attempt(ids, [], spans))
-                        event = {**event, "choices": [{**choice, "weight_versions": stitched.spans()}]}
-                    yield event
-            finally:
-                await events.aclose()
-            if not aborted:
-                return
-            stitched.cut(Attempt(ids, [], spans))
-            attempt_request = resumed_request(request, stitched)
-        # The budget was spent before the last cut: the generation ends there, as one cut by its length.
-        final = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
-                 "logprobs": {"content": []}, "weight_versions": stitched.spans()}  # fmt: skip
-        yield {**last, "usage": None, "prompt_token_ids": None, "choices": [final]}
+                finally:
+                    await events.aclose()
+                if not aborted:
+                    finished = True
+                    return
+                stitched.cut(Attempt(ids, [], spans))
+                attempt_request = resumed_request(request, stitched)
+            # The budget was spent before the last cut: the generation ends there, as one cut by its length.
+            final = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [],
+                     "logprobs": {"content": []}, "weight_versions": stitched.spans()}  # fmt: skip
+            yield {**last, "usage": None, "prompt_token_ids": None, "choices": [final]}
+            finished = True
+        finally:
+            stitched.end(finished)
 
 
 def resumed_request(request: dict[str, Any], stitched: StitchedGeneration) -> dict[str, Any] | None:

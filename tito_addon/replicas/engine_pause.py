@@ -86,12 +86,13 @@ class EnginePause:
         self.in_flight.pop(generation.rid, None)
         self._changed.set()
 
-    def abort(self, prefix: str = "") -> int:
-        """Abort the generations in flight whose request id starts with `prefix` (sglang matches ids by prefix);
-        every one for the empty prefix. How many were cut."""
+    def abort(self, prefix: str = "", *, exact: frozenset[str] | None = None) -> int:
+        """Abort the generations in flight whose request id starts with `prefix` (sglang matches ids by prefix),
+        every one for the empty prefix, or with `exact` those whose id is one of it (vLLM). How many were cut."""
         cut = 0
         for generation in self.in_flight.values():
-            if not generation.aborted and generation.rid.startswith(prefix):
+            named = generation.rid in exact if exact is not None else generation.rid.startswith(prefix)
+            if not generation.aborted and named:
                 generation.aborted = True
                 cut += 1
         self.aborted += cut

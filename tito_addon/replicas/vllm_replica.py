@@ -290,12 +290,8 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
         ids = body.get("request_ids") if isinstance(body, dict) else None
         if not ids:
             self.pause.abort()
-        else:
-            for rid in ids:  # vLLM matches whole ids (sglang matches prefixes)
-                for generation in list(self.pause.in_flight.values()):
-                    if generation.rid in (rid, f"generate-tokens-{rid}") and not generation.aborted:
-                        generation.aborted = True
-                        self.pause.aborted += 1
+        else:  # vLLM matches whole ids (sglang matches prefixes), the client's or the one it answered with
+            self.pause.abort(exact=frozenset(ids) | {f"generate-tokens-{rid}" for rid in ids})
         return json_response({"status": "ok"})
 
     # ----------------------------------------------------------------- derender

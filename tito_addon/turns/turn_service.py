@@ -104,6 +104,8 @@ class TurnService:
         # `warm_apis`: the APIs the service this one replaces served with, whose memos stay where they can.
         self.apis: list[AgentApi] = agent_apis(self.signer, memo_bytes, warm_apis)
         self.engine = engine
+        # Generated ids' text as vLLM and sglang check stop strings on it: special tokens skipped, their default.
+        self.output_text = functools.partial(engine.tokenizer.decode, skip_special_tokens=True)
         self.backend = backend
         self.sessions = SessionRecords(sessions, records, after_close)
         self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
@@ -338,8 +340,7 @@ class TurnService:
             forward,
             engine.stop_texts,
             engine.special_ids,
-            # Generated ids' text as vLLM and sglang check stop strings on it: special tokens skipped, their default.
-            functools.partial(engine.tokenizer.decode, skip_special_tokens=True),
+            self.output_text,
         )
 
     def responder(self, prepared: PreparedTurn, claim: Claim) -> Responder:
