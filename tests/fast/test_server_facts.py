@@ -80,7 +80,8 @@ async def test_a_server_that_does_not_say_its_version_is_asked_once(error: Excep
     for _ in range(2):
         found = await asyncio.gather(*(vllm.versions.get("http://v", {}) for _ in range(3)))
         assert all(v.major_minor is None and v.text is None for v in found)
-        assert await asyncio.gather(*(sglang.versions.get("http://s", {}) for _ in range(3))) == [None] * 3
+        said = await asyncio.gather(*(sglang.servers.get("http://s", {}) for _ in range(3)))
+        assert [server.version for server in said] == [None] * 3
     assert vllm_client.gets == ["http://v/version"]
     assert sglang_client.gets == ["http://s/server_info", "http://s/get_server_info"]
 
@@ -90,12 +91,11 @@ async def test_a_probe_that_raises_keeps_nothing_and_the_next_turn_asks_again() 
     for make in (VllmBackend, SglangBackend):
         client = FailingClient(RuntimeError("boom"))
         backend = make(client)
-        results = await asyncio.gather(
-            *(backend.versions.get("http://b", {}) for _ in range(3)), return_exceptions=True
-        )
+        facts = backend.versions if isinstance(backend, VllmBackend) else backend.servers
+        results = await asyncio.gather(*(facts.get("http://b", {}) for _ in range(3)), return_exceptions=True)
         assert all(isinstance(r, RuntimeError) for r in results) and len(client.gets) == 1
         with pytest.raises(RuntimeError):
-            await backend.versions.get("http://b", {})
+            await facts.get("http://b", {})
         assert len(client.gets) == 2, f"{make.__name__}: a failed probe is asked again"
 
 

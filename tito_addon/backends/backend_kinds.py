@@ -26,7 +26,13 @@ def make_backend(
     derender a seed of the prompt, neither server the conversation; `ModelFamily.compact_requests`); `resume`: how far a
     generation the backend aborts (a weight update) is resumed."""
     if kind == "sglang":
-        return SglangBackend(client, verify_echo=verify_echo, compact_requests=compact_requests)
+        return SglangBackend(
+            client,
+            verify_echo=verify_echo,
+            compact_requests=compact_requests,
+            resume=resume,
+            resume_stats=resume_stats,
+        )
     if kind == "vllm":
         return VllmBackend(
             client,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tito_addon.backends.backend_protocol import weight_version_of
 from tito_addon.tito_errors import TitoError
 
 ABORT = "abort"
@@ -182,6 +183,26 @@ class StitchedGeneration:
             kept += take
         self.ids, self.logprobs, self.entries = self.ids[:count], self.logprobs[:count], self.entries[:count]
         self.cuts = [c for c in self.cuts if c < count]
+
+
+def attempt_spans(value: Any, count: int) -> list[dict[str, Any]] | None:
+    """One attempt's `weight_versions` (vLLM 0.32+, sglang 0.5.20+), when they are well formed and tile its `count`
+    tokens; else None (its tokens are then recorded with no version)."""
+    if not isinstance(value, list) or not value or count == 0:
+        return None
+    spans = []
+    for span in value:
+        if not isinstance(span, dict):
+            return None
+        version, start, end = weight_version_of(span.get("version")), span.get("start"), span.get("end")
+        if version is None or type(start) is not int or type(end) is not int or not 0 <= start < end <= count:
+            return None
+        spans.append({"version": version, "start": start, "end": end})
+    if spans[0]["start"] != 0 or spans[-1]["end"] != count:
+        return None
+    if any(a["end"] != b["start"] for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    return spans
 
 
 def recorded_spans(spans: list[dict[str, Any]] | None) -> tuple[str | None, list[dict[str, Any]] | None]:

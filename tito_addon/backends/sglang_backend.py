@@ -3,7 +3,9 @@
 sglang's chat endpoint skips its own template when `input_ids` is given but still uses `messages`, `tools`
 and `chat_template_kwargs` for its tool and reasoning parsers, so the agent's body goes along unchanged
 apart from the forced fields. Completion ids and logprobs come from `meta_info.output_token_logprobs`, the turn's
-weight version from `meta_info.weight_version`.
+weight version from `meta_info.weight_version` (and 0.5.20+ `meta_info.weight_versions`, its spans). A generation the
+engine aborts for a weight update is resumed (`sglang_attempts`) and its whole completion parsed once by the server's
+own parser routes (`sglang_parse_routes`).
 Older servers silently ignore `input_ids`. `input_ids` and the `prompt_token_ids` echo arrived together (0.5.13),
 so the server's version, asked once, says whether it honours our ids; the full echo is then verified on the first
 turn to each backend (and on every turn where the version is unknown, or when asked to), while every turn checks
@@ -16,8 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tito_addon.backends.backend_protocol import (
@@ -29,14 +30,35 @@ from tito_addon.backends.backend_protocol import (
     checked_message,
     stream_end,
     trajectory_message,
+    weight_spans_of,
     weight_version_of,
 )
 from tito_addon.backends.parser_inputs import sglang_messages
+from tito_addon.backends.resumed_generation import (
+    ABORT,
+    DEFAULT_RESUME,
+    Attempt,
+    ResumePolicy,
+    ResumeStats,
+    StitchedGeneration,
+    recorded_spans,
+)
 from tito_addon.backends.server_facts import ServerFacts, ask_served_models
+from tito_addon.backends.sglang_attempts import (
+    ChatAttempt,
+    attempt_pieces,
+    chat_stops,
+    check_counted,
+    checked_attempt,
+    metadata_weight_version,
+    rest_of_message,
+    resumed_body,
+)
+from tito_addon.backends.sglang_parse_routes import CompletionParser, SglangServer, StitchedText, ask_server
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
 from tito_addon.canonical_chat import ChatRequest
-from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough
+from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 
 logger = logging.getLogger(__name__)
 
@@ -44,65 +66,44 @@ STREAM_IDS_VERSION = (0, 5, 20)
 INPUT_IDS_VERSION = (0, 5, 13)
 
 
-def _version_tuple(text: str) -> tuple[int, ...] | None:
-    parts = re.findall(r"\d+", text)[:3]
-    return tuple(int(p) for p in parts) if len(parts) >= 2 else None
-
-
-def metadata_weight_version(body: dict[str, Any]) -> str | None:
-    """The response-level `metadata.weight_version` (a whole chat completion has it next to `meta_info`'s).
-
-    sglang's chat stream chunks (`ChatCompletionStreamResponse`) declare no `metadata`, so a streamed turn usually
-    records no weight version; one a server does send is read."""
-    metadata = body.get("metadata")
-    return weight_version_of(metadata.get("weight_version")) if isinstance(metadata, dict) else None
-
-
-def with_input_ids(body: dict[str, Any], turn: BackendTurn) -> list[bytes]:
+def with_input_ids(body: dict[str, Any], pieces: Sequence[bytes]) -> list[bytes]:
     """`body` as JSON with the prompt's ids spliced in as their ready text, in pieces, whole turn or streamed: they are
     sent as they are kept (see `PromptIds.json_pieces`), never listed, re-encoded or joined into one copy of a ~1 MB
     prompt."""
     head = dumps(body)  # (which holds no `input_ids` of the agent's: both callers drop them)
-    return [head[:-1] + (b',"input_ids":[' if len(head) > 2 else b'"input_ids":['), *turn.prompt.json_pieces, b"]}"]
-
-
-def check_counted(counted: Any, turn: BackendTurn) -> None:
-    """The prompt length the server counted, where it said one, is the number of ids it was sent."""
-    if counted is not None and counted != len(turn.prompt):
-        raise UpstreamMalformed(
-            f"backend counted {counted!r} prompt tokens for the {len(turn.prompt)} ids it was sent: it did not "
-            "generate from our ids; nothing was recorded"
-        )
+    return [head[:-1] + (b',"input_ids":[' if len(head) > 2 else b'"input_ids":['), *pieces, b"]}"]
 
 
 class SglangBackend:
     kind = "sglang"
 
-    def __init__(self, client: UpstreamClient, *, verify_echo: bool = False, compact_requests: bool = False) -> None:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        *,
+        verify_echo: bool = False,
+        compact_requests: bool = False,
+        resume: ResumePolicy = DEFAULT_RESUME,
+        resume_stats: ResumeStats | None = None,
+    ) -> None:
         self.client = client
         self.verify_echo = verify_echo
         # Send only the messages sglang reads when given input_ids (`parser_inputs`), for the known families.
         self.compact_requests = compact_requests
-        # None where neither server-info route said a version: kept, so the echo is then verified every turn.
-        self.versions = ServerFacts(self._ask_version)
+        self.resume = resume
+        self.resume_stats = resume_stats or ResumeStats()
+        # A version of None where neither server-info route said one: kept, so the echo is then verified every turn.
+        self.servers = ServerFacts(self._ask_server)
         self.models = ServerFacts(functools.partial(ask_served_models, client))
         self._echo_verified: set[str] = set()
 
     def check_request(self, request: ChatRequest) -> None:
         """sglang serves any valid chat request."""
 
-    async def _ask_version(self, base_url: str, headers: dict[str, str]) -> tuple[int, ...] | None:
-        """The server's version from its server-info route, under either of its names."""
-        found: tuple[int, ...] | None = None
-        for route in ("/server_info", "/get_server_info"):
-            try:
-                response = await self.client.get(base_url + route, headers)
-                if response.status == 200:
-                    found = _version_tuple(str(response.json().get("version", "")))
-                    break
-            except (TitoError, ValueError, AttributeError):
-                continue
-        logger.info("tito: %s speaks sglang %s", base_url, ".".join(map(str, found)) if found else "(unknown)")
+    async def _ask_server(self, base_url: str, headers: dict[str, str]) -> SglangServer:
+        found = await ask_server(self.client, base_url, headers)
+        shown = ".".join(map(str, found.version)) if found.version else "(unknown)"
+        logger.info("tito: %s speaks sglang %s", base_url, shown)
         return found
 
     async def context_length(self, base_url: str, headers: dict[str, str]) -> int | None:
@@ -110,12 +111,16 @@ class SglangBackend:
 
     async def can_stream(self, base_url: str, headers: dict[str, str]) -> bool:
         # Streamed output ids exist only in the sglext block (0.5.20+); before that a turn is re-framed.
-        found = await self.versions.get(base_url, headers)
+        found = (await self.servers.get(base_url, headers)).version
         return found is not None and found >= STREAM_IDS_VERSION
+
+    def stitched(self, turn: BackendTurn) -> StitchedGeneration:
+        return StitchedGeneration(turn.prompt_ids, self.resume, stats=self.resume_stats)
 
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
         """A streamed chat completion on our `input_ids`; the ids it ran on and produced arrive in the final
-        sglext block, the logprobs chunk by chunk."""
+        sglext block, the logprobs chunk by chunk. A generation the engine aborts (a weight update) goes on in whole
+        requests, and the agent's stream continues with what the whole completion adds to what it was sent."""
         echo = await self.must_echo(turn)
         dropped = ("stream_options", "return_meta_info", "return_input_ids_in_sglext", "input_ids")
         body = self.agent_fields(turn, dropped)
@@ -132,7 +137,9 @@ class SglangBackend:
         counted: Any = None
         weight: str | None = None
         base: dict[str, Any] = {}
-        events = self.client.sse_events(turn.base_url + turn.chat_path, with_input_ids(body, turn), turn.headers)
+        events = self.client.sse_events(
+            turn.base_url + turn.chat_path, with_input_ids(body, turn.prompt.json_pieces), turn.headers
+        )
         try:
             async for event in events:
                 if "error" in event:
@@ -173,13 +180,40 @@ class SglangBackend:
             )
         if echoed is not None and echoed != turn.prompt_ids:
             raise UpstreamMalformed("sglang generated from different prompt ids than it was sent; nothing was recorded")
-        check_counted(counted, turn)
+        if finish != ABORT:
+            check_counted(counted, len(turn.prompt))  # (a waiting-queue abort counts no prompt)
         if echo:
             self._echo_verified.add(turn.base_url)
         outputs = sglext.get("output_ids")
-        completion_ids = checked_ids(outputs[0] if isinstance(outputs, list) and outputs else None, "output ids")
+        streamed = outputs[0] if isinstance(outputs, list) and outputs else None
+        if finish == ABORT and streamed == []:
+            completion_ids: list[int] = []
+        else:
+            completion_ids = checked_ids(streamed, "output ids")
         logprobs = checked_logprobs(values, len(completion_ids))
-        yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs, weight=(weight, None))
+        if finish != ABORT:
+            yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs, weight=(weight, None))
+            return
+        stitched = self.stitched(turn)
+        finished = False
+        try:
+            stitched.cut(Attempt(completion_ids, logprobs, None))
+            last, final = await self._continue(turn, stitched)
+            message, final = await self._whole_message(turn, stitched, last, final)
+            for delta in rest_of_message(accumulated.message(), message):
+                rest: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                if asked_logprobs:
+                    rest["logprobs"] = {"content": stitched.entries}
+                    asked_logprobs = False  # every continued token's entry, once
+                yield {**base, "choices": [rest]}
+            end = stream_end(
+                turn, base, message, final, stitched.ids, stitched.logprobs, weight=recorded_spans(stitched.spans())
+            )
+            end.result.resumed = stitched.record()
+            finished = True
+            yield end
+        finally:
+            stitched.end(finished)
 
     def agent_fields(self, turn: BackendTurn, dropped: tuple[str, ...]) -> dict[str, Any]:
         """The agent's body less `dropped`, its messages cut to what sglang reads where the family allows."""
@@ -199,11 +233,11 @@ class SglangBackend:
     def upstream_payload(self, turn: BackendTurn, echo: bool = True) -> list[bytes]:
         """The request body in pieces: the prompt's ids go in as their ready JSON text, sent as they are kept
         (see `PromptIds.json_pieces`) instead of being re-encoded or joined into one copy of a ~1 MB prompt."""
-        return with_input_ids(self.upstream_body(turn, echo), turn)
+        return with_input_ids(self.upstream_body(turn, echo), turn.prompt.json_pieces)
 
     async def must_echo(self, turn: BackendTurn) -> bool:
         """Whether this turn asks the server to echo its prompt ids (see the module docstring)."""
-        found = await self.versions.get(turn.base_url, turn.headers)
+        found = (await self.servers.get(turn.base_url, turn.headers)).version
         if found is not None and found < INPUT_IDS_VERSION:
             raise UpstreamMalformed(
                 f"backend reports sglang {'.'.join(map(str, found))}, which silently ignores input_ids: "
@@ -216,72 +250,141 @@ class SglangBackend:
             or bool(turn.chat_body.get("return_prompt_token_ids"))
         )
 
-    async def run_turn(self, turn: BackendTurn) -> BackendResult:
-        url = turn.base_url + turn.chat_path
-        echo = await self.must_echo(turn)
-        response = await self.client.post_bytes(url, self.upstream_payload(turn, echo), turn.headers)
+    async def _attempt(
+        self, turn: BackendTurn, body: dict[str, Any], pieces: Sequence[bytes], prompt_ids: list[int], echo: bool
+    ) -> ChatAttempt:
+        """One chat completion on `prompt_ids` (sent as `pieces`), checked."""
+        response = await self.client.post_bytes(
+            turn.base_url + turn.chat_path, with_input_ids(body, pieces), turn.headers
+        )
         if response.status != 200:
             raise UpstreamPassthrough(response.status, response.body, response.content_type)
         try:
-            body = response.json()
+            answer = response.json()
         except ValueError as exc:
             raise UpstreamMalformed("backend answered 200 with a body that is not JSON") from exc
-        result = self.harvest(body, turn, echo)
+        return checked_attempt(answer, prompt_ids, echo)
+
+    async def run_turn(self, turn: BackendTurn) -> BackendResult:
+        echo = await self.must_echo(turn)
+        attempt = await self._attempt(
+            turn, self.upstream_body(turn, echo), turn.prompt.json_pieces, turn.prompt_ids, echo
+        )
         if echo:
             self._echo_verified.add(turn.base_url)
-        return result
+        if not attempt.aborted:
+            return self.result(attempt, turn)
+        stitched = self.stitched(turn)
+        finished = False
+        try:
+            stitched.cut(attempt.kept())
+            last, final = await self._continue(turn, stitched)
+            message, final = await self._whole_message(turn, stitched, last, final)
+            result = self.stitched_result(turn, stitched, (attempt, last or attempt), message, final)
+            finished = True
+            return result
+        finally:
+            stitched.end(finished)
+
+    async def _continue(self, turn: BackendTurn, stitched: StitchedGeneration) -> tuple[ChatAttempt | None, str]:
+        """After a cut, whole attempts on `prompt + everything sampled` until the generation ends: the last attempt
+        (None when the cut had spent the budget) and how it ended."""
+        body = self.upstream_body(turn, echo=True)  # each attempt's prompt is shown to be the one it was sent
+        while True:
+            request = resumed_body(body, stitched)
+            if request is None:
+                return None, "length"
+            attempt = await self._attempt(
+                turn, request, attempt_pieces(turn, stitched), stitched.attempt_prompt(), True
+            )
+            if not attempt.aborted:
+                stitched.add(attempt.kept())
+                return attempt, str(attempt.finish.get("type") or "stop")
+            stitched.cut(attempt.kept())
+
+    async def _whole_message(
+        self, turn: BackendTurn, stitched: StitchedGeneration, last: ChatAttempt | None, finish: str
+    ) -> tuple[dict[str, Any], str]:
+        """The message and finish reason of the whole generation, parsed once by the server's own parsers; a stop
+        string that straddles a cut (each attempt checked its own output only) ends it there."""
+        stop: str | None = None
+        drop_last = False
+        matched = last.finish.get("matched") if last is not None and finish == "stop" else None
+        if isinstance(matched, str):
+            stop = matched
+        elif type(matched) is int and stitched.ids and stitched.ids[-1] == matched:
+            drop_last = True
+        stops = chat_stops(turn.chat_body)
+        at = stitched.stop_cut(stops, turn.output_text) if turn.output_text is not None else None
+        if at is not None and turn.output_text is not None:
+            stitched.truncate(at)
+            text = turn.output_text(stitched.ids)
+            stop = min((s for s in stops if s in text), key=text.find)
+            finish, drop_last = "stop", False
+        tail = turn.output_text(turn.prompt_ids[-4:]) if turn.output_text is not None else ""
+        server = await self.servers.get(turn.base_url, turn.headers)
+        parser = CompletionParser(self.client, turn.base_url, turn.headers, server)
+        message, final = await parser.message(StitchedText(stitched.ids, stop, drop_last), turn.chat_body, tail, finish)
+        checked_message(message)
+        return message, final or finish
+
+    def stitched_result(
+        self,
+        turn: BackendTurn,
+        stitched: StitchedGeneration,
+        ends: tuple[ChatAttempt, ChatAttempt],
+        message: dict[str, Any],
+        finish: str,
+    ) -> BackendResult:
+        """One chat completion for the whole generation, under the first attempt's id, as an uncut one would read."""
+        first, last = ends
+        count = len(stitched.ids)
+        meta = {**last.meta, "id": first.meta.get("id"), "prompt_tokens": len(turn.prompt), "completion_tokens": count,
+                "finish_reason": {**last.finish, "type": finish}, "weight_versions": stitched.spans(),
+                "output_token_logprobs": [[lp, i, None] for lp, i in zip(stitched.logprobs, stitched.ids, strict=True)],
+                "output_token_logprobs_length": count}  # fmt: skip
+        choice = {**last.choice, "message": message, "finish_reason": finish, "meta_info": meta,
+                  "logprobs": {"content": stitched.entries}, "prompt_token_ids": turn.prompt_ids}  # fmt: skip
+        body = {**last.body, "id": first.body.get("id"), "choices": [choice]}
+        if isinstance(last.body.get("usage"), dict):
+            prompt = len(turn.prompt)
+            body["usage"] = {**last.body["usage"], "prompt_tokens": prompt, "completion_tokens": count,
+                             "total_tokens": prompt + count}  # fmt: skip
+        weight, spans = recorded_spans(stitched.spans())
+        return BackendResult(
+            completion_ids=stitched.ids,
+            completion_logprobs=stitched.logprobs,
+            message=trajectory_message(message),
+            finish_reason=finish,
+            agent_body=self.agent_body(body, turn.chat_body),
+            usage=body.get("usage") if isinstance(body.get("usage"), dict) else None,
+            weight_version=weight,
+            weight_version_spans=spans,
+            resumed=stitched.record(),
+        )
 
     def harvest(self, body: Any, turn: BackendTurn, echo: bool = True) -> BackendResult:
-        if not isinstance(body, dict):
-            raise UpstreamMalformed("backend answered 200 with JSON that is not an object")
-        choices = body.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise UpstreamMalformed("backend answered 200 without choices")
-        choice = choices[0]
-        echoed = choice.get("prompt_token_ids", body.get("prompt_token_ids"))
-        if echoed is None and echo:
-            raise UpstreamMalformed(
-                "backend did not echo prompt_token_ids, so it cannot be shown to have generated from our ids: "
-                "sglang >= 0.5.13 is required (older versions silently ignore input_ids)"
-            )
-        if echoed is not None and echoed != turn.prompt_ids:
-            raise UpstreamMalformed(
-                "backend generated from different prompt ids than it was sent: it ignored input_ids "
-                "(sglang < 0.5.13 re-renders messages) or altered them; nothing was recorded"
-            )
-        meta = choice.get("meta_info")
-        if not isinstance(meta, dict):
-            raise UpstreamMalformed("backend answered without meta_info (sglang >= 0.5.13 is required)")
-        counted = meta.get("prompt_tokens")
-        if counted is None and isinstance(body.get("usage"), dict):
-            counted = body["usage"].get("prompt_tokens")
-        check_counted(counted, turn)
-        entries = meta.get("output_token_logprobs")
-        if not isinstance(entries, list) or not entries:
-            raise UpstreamMalformed("backend answered without meta_info.output_token_logprobs")
-        if not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
-            raise UpstreamMalformed("meta_info.output_token_logprobs entries are not [logprob, id, text]")
-        completion_tokens = meta.get("completion_tokens")
-        if type(completion_tokens) is not int or completion_tokens != len(entries):
-            raise UpstreamMalformed(
-                f"meta_info.completion_tokens ({completion_tokens!r}) does not match the {len(entries)} "
-                "output_token_logprobs entries"
-            )
-        completion_ids = checked_ids([e[1] for e in entries], "completion token ids")
-        logprobs = checked_logprobs([e[0] for e in entries], len(completion_ids))
-        raw_message = choice.get("message")
+        return self.result(checked_attempt(body, turn.prompt_ids, echo), turn)
+
+    def result(self, attempt: ChatAttempt, turn: BackendTurn) -> BackendResult:
+        """An uncut generation's result: the server's own answer and parse."""
+        raw_message = attempt.choice.get("message")
         checked_message(raw_message)
-        finish_reason = choice.get("finish_reason")
+        assert isinstance(raw_message, dict)
+        finish_reason = attempt.choice.get("finish_reason")
         if finish_reason is not None and not isinstance(finish_reason, str):
             raise UpstreamMalformed("backend returned a finish_reason that is not a string")
+        meta, body = attempt.meta, attempt.body
+        version, spans = weight_spans_of(meta.get("weight_versions"), len(attempt.ids))
         return BackendResult(
-            completion_ids=completion_ids,
-            completion_logprobs=logprobs,
+            completion_ids=attempt.ids,
+            completion_logprobs=attempt.logprobs,
             message=trajectory_message(raw_message),
             finish_reason=finish_reason,
             agent_body=self.agent_body(body, turn.chat_body),
             usage=body.get("usage") if isinstance(body.get("usage"), dict) else None,
-            weight_version=weight_version_of(meta.get("weight_version")) or metadata_weight_version(body),
+            weight_version=version or weight_version_of(meta.get("weight_version")) or metadata_weight_version(body),
+            weight_version_spans=spans,
         )
 
     @staticmethod

@@ -13,13 +13,14 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from tito_addon.backends.backend_protocol import BackendTurn, checked_ids, checked_logprobs, weight_version_of
+from tito_addon.backends.backend_protocol import BackendTurn, checked_ids, checked_logprobs
 from tito_addon.backends.resumed_generation import (
     ABORT,
     Attempt,
     ResumePolicy,
     ResumeStats,
     StitchedGeneration,
+    attempt_spans,
     fresh_request_id,
 )
 from tito_addon.backends.upstream_client import UpstreamClient
@@ -225,26 +226,6 @@ def stop_strings(request: dict[str, Any]) -> list[str]:
     if isinstance(stop, str):
         return [stop]
     return [s for s in stop if isinstance(s, str)] if isinstance(stop, list) else []
-
-
-def attempt_spans(value: Any, count: int) -> list[dict[str, Any]] | None:
-    """One attempt's `weight_versions` (0.32+), when they are well formed and tile its `count` tokens; else None
-    (its tokens are then recorded with no version)."""
-    if not isinstance(value, list) or not value or count == 0:
-        return None
-    spans = []
-    for span in value:
-        if not isinstance(span, dict):
-            return None
-        version, start, end = weight_version_of(span.get("version")), span.get("start"), span.get("end")
-        if version is None or type(start) is not int or type(end) is not int or not 0 <= start < end <= count:
-            return None
-        spans.append({"version": version, "start": start, "end": end})
-    if spans[0]["start"] != 0 or spans[-1]["end"] != count:
-        return None
-    if any(a["end"] != b["start"] for a, b in zip(spans, spans[1:], strict=False)):
-        return None
-    return spans
 
 
 def checked_stream_choice(choice: dict[str, Any]) -> list[Any]:

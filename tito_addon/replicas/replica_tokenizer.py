@@ -56,9 +56,11 @@ class ReplicaTokenizer:
             enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         with self.lock:
-            return str(self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+            return str(
+                self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+            )
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Per-token text, as sglang's ``return_text_in_logprobs`` gives it."""

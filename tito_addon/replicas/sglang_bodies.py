@@ -10,11 +10,12 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from tito_addon.replicas.engine_pause import spans_of
 from tito_addon.replicas.replica_tokenizer import ReplicaTokenizer
 from tito_addon.replicas.sglang_config import ReplicaConfig
 from tito_addon.replicas.sglang_generation import Generation, truthy
@@ -29,6 +30,8 @@ class SglangBodies:
 
     config: ReplicaConfig
     tokenizer: ReplicaTokenizer
+
+    cut: Callable[[dict[str, Any], Generation, int], None]  # (SglangGeneration's: an abort after N tokens)
 
     def _logprob_entries(self, gen: Generation, lo: int, hi: int, top_n: int) -> list[dict[str, Any]]:
         entries = []
@@ -56,6 +59,12 @@ class SglangBodies:
             "reasoning_tokens": gen.reasoning_tokens,
             "e2e_latency": gen.e2e_latency,
         }
+        if len(gen.labels) == len(gen.completion_ids) and gen.completion_ids:
+            # 0.5.20+: the label of each token's weights, as spans; the turn's version is the last span's.
+            spans = spans_of(gen.labels)
+            meta["weight_version"] = spans[-1]["version"]
+            if _version_tuple(self.config.version) >= (0, 5, 20):
+                meta["weight_versions"] = spans
         if with_logprobs:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
@@ -168,14 +177,19 @@ class SglangBodies:
                 lps[len(lps) // 2][0] = math.nan
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], gen: Generation, fault: str | None = None
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        gen: Generation,
+        fault: str | None = None,
+        step: Callable[[], Awaitable[bool]] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
         framed = request.headers.get("x-sglext-ids-framed") == "1"
-        for event in self._stream_events(body, gen, request, fault):
+        async for event in self._stream_events(body, gen, request, fault, step):
             if isinstance(event, tuple):
                 name, payload = event
                 data = (
@@ -190,11 +204,18 @@ class SglangBodies:
         await resp.write_eof()
         return resp
 
-    def _stream_events(
-        self, body: dict[str, Any], gen: Generation, request: web.Request, fault: str | None = None
-    ) -> Iterator[dict[str, Any] | tuple[str, dict[str, Any]]]:
+    async def _stream_events(
+        self,
+        body: dict[str, Any],
+        gen: Generation,
+        request: web.Request,
+        fault: str | None = None,
+        step: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[dict[str, Any] | tuple[str, dict[str, Any]]]:
         """The stream's events; of the body faults, a stream has the two about its prompt (ids echoed wrong in the
-        sglext block, or a prompt length counted wrong in the usage chunk)."""
+        sglext block, or a prompt length counted wrong in the usage chunk). `step` is asked before each token: once
+        it says no (an abort), the stream ends as sglang ends a graceful abort, with the tokens it has: a finish
+        chunk `abort`, then the sglext block with every id sampled."""
         want_logprobs = truthy(body.get("logprobs"))
         top_n = body.get("top_logprobs") if isinstance(body.get("top_logprobs"), int) else 0
 
@@ -226,6 +247,9 @@ class SglangBodies:
         call_ids = self._tool_calls_json(gen) or []
         next_call = 0
         for i in range(n_text):
+            if step is not None and not await step():
+                self.cut(body, gen, i)
+                break
             cur = self.tokenizer.decode(gen.completion_ids[: i + 1])
             cur_len = len(os.path.commonprefix([cur, text]))
             if cur_len <= prev and not (i == n_text - 1):
@@ -261,6 +285,8 @@ class SglangBodies:
                     lp_from = i + 1
                 else:
                     yield chunk(delta)
+        if step is not None and len(gen.completion_ids) > n_text and not await step():  # the stop token's step
+            self.cut(body, gen, n_text)
         yield chunk({}, lp_from, len(gen.completion_ids), finish=gen.finish)
         ext = self._sglext(body, request, gen)
         if fault == "wrong_prompt_ids" and "input_ids" in ext:

@@ -42,6 +42,12 @@ class ReplicaConfig(BaseModel):
         "--weight-version; a test may change it between requests, as an update_weights call would); like sglang, "
         "streamed chat chunks carry none",
     )
+    token_delay_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="sleep after each sampled token, whole or streamed: generations take time, so a pause "
+        "(`/pause_generation`, `/update_weight_version`, `/abort_request`) can cut them",
+    )
     prefix_cache: bool = Field(
         default=True,
         description="simulate sglang's radix cache: meta_info.cached_tokens = longest prefix shared "

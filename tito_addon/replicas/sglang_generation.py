@@ -14,9 +14,10 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from tito_addon.replicas.engine_pause import EnginePause
 from tito_addon.replicas.replica_tokenizer import ReplicaTokenizer, noncanonical_ids
 from tito_addon.replicas.scripted_model import (
     THINK_END,
@@ -60,23 +61,30 @@ class ParsedOutput:
     saw_tool_start: bool
 
 
+def reasoning_split(text: str, force_reasoning: bool) -> tuple[tuple[int, int] | None, int]:
+    """The qwen3 reasoning parser's cut: the reasoning's char span (None when there is no block) and where the
+    normal text starts (after `</think>`; an unclosed block runs to a tool call or the end)."""
+    if not (force_reasoning or THINK_START in text):
+        return None, 0
+    p = 0
+    while text.startswith(THINK_START, p):
+        p += len(THINK_START)
+    end = text.find(THINK_END, p)
+    if end == -1:
+        tool = text.find(TOOL_START, p)
+        stop = tool if tool != -1 else len(text)
+        return (p, stop), stop
+    return (p, end), end + len(THINK_END)
+
+
 def parse_output(
     text: str, *, separate_reasoning: bool, force_reasoning: bool, tool_names: set[str] | None
 ) -> ParsedOutput:
     """Mirror sglang's Qwen3Detector.detect_and_parse and Qwen25Detector.detect_and_parse."""
     reasoning_span: tuple[int, int] | None = None
     normal_start = 0
-    if separate_reasoning and (force_reasoning or THINK_START in text):
-        p = 0
-        while text.startswith(THINK_START, p):
-            p += len(THINK_START)
-        end = text.find(THINK_END, p)
-        if end == -1:
-            tool = text.find(TOOL_START, p)
-            stop = tool if tool != -1 else len(text)
-            reasoning_span, normal_start = (p, stop), stop
-        else:
-            reasoning_span, normal_start = (p, end), end + len(THINK_END)
+    if separate_reasoning:
+        reasoning_span, normal_start = reasoning_split(text, force_reasoning)
     content_span: tuple[int, int] | None = (normal_start, len(text))
     calls: list[tuple[str, str]] = []
     call_ends: list[int] = []
@@ -134,6 +142,13 @@ class Generation:
     tool_call_ids: list[str]
     splits: list[int]  # completion indices where a non-canonical split starts
     e2e_latency: float
+    root: list[int] = field(default_factory=list)  # the prompt the generation was first asked with
+    plan: list[int] = field(default_factory=list)  # everything it will have sampled after `root`, if never cut
+    labels: list[str] = field(default_factory=list)  # the weight label each sampled token was stamped with
+
+
+#: sglang's `FINISH_ABORT()` of a pause, `/abort_request` or `/update_weight_version`: no error status.
+ABORT_FINISH = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 
 
 class SglangGeneration:
@@ -143,6 +158,7 @@ class SglangGeneration:
     config: ReplicaConfig
     tokenizer: ReplicaTokenizer
     tool_turns: int
+    pause: EnginePause
     _lock: threading.Lock
     _cache: list[list[int]]
 
@@ -224,6 +240,9 @@ class SglangGeneration:
         self._check_context(len(prompt_ids), body)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking") is not False
+        continued = self.pause.continuation(prompt_ids) if self.config.honor_input_ids else None
+        if continued is not None:  # a cut generation's prompt + partial output: it goes on where it was cut
+            return self._continued(body, prompt_ids, continued[0], continued[1], t0)
         script_body = body
         if self.config.honor_input_ids and body.get("input_ids") is not None:
             # The model sees only the ids: what it says follows from them, never from `messages`, which sglang's
@@ -247,33 +266,9 @@ class SglangGeneration:
         ids, splits = self._noncanonical(full_text, spans, fallback)
         ids.append(tok.im_end)
 
-        limit = body.get("max_completion_tokens")
-        if limit is None:
-            limit = body.get("max_tokens")
-        finish: dict[str, Any] = {"type": "stop", "matched": tok.im_end}
-        if limit is not None and len(ids) > limit:
-            ids = ids[:limit]
-            splits = [s for s in splits if s + 1 < limit]
-            finish = {"type": "length", "length": limit}
-        text_ids = ids[:-1] if finish["type"] == "stop" else ids
-        text = tok.decode(text_ids)
-
-        tool_active = bool(body.get("tools")) and body.get("tool_choice") != "none"
-        tool_names = {str(f["name"]) for f in tool_functions(body.get("tools"))} if tool_active else None
-        parsed = parse_output(
-            text,
-            separate_reasoning=body.get("separate_reasoning", True) is not False,
-            force_reasoning=kwargs.get("enable_thinking") is True,
-            tool_names=tool_names,
-        )
-        if parsed.saw_tool_start and finish["type"] == "stop":
-            finish = {"type": "tool_calls", "matched": None}
-
-        reasoning_tokens = 0
-        if tok.think_end is not None and tok.think_end in ids:
-            reasoning_tokens = ids.index(tok.think_end) + 1
-        elif text.startswith(THINK_START):
-            reasoning_tokens = len(ids)
+        plan = list(ids)
+        ids, finish, splits = self._budgeted(body, ids, splits)
+        text, parsed, finish, reasoning_tokens = self._parse(body, ids, finish)
 
         cached = 0
         if self.config.prefix_cache:
@@ -305,4 +300,85 @@ class SglangGeneration:
             tool_call_ids=[f"call_{uuid.uuid4().hex[:24]}" for _ in parsed.tool_calls],
             splits=splits,
             e2e_latency=round(time.monotonic() - t0, 6),
+            root=prompt_ids,
+            plan=plan,
         )
+
+    def _budgeted(
+        self, body: dict[str, Any], ids: list[int], splits: list[int]
+    ) -> tuple[list[int], dict[str, Any], list[int]]:
+        """The planned ids within the request's budget, how they finish, and the splits left in them."""
+        limit = body.get("max_completion_tokens")
+        if limit is None:
+            limit = body.get("max_tokens")
+        finish: dict[str, Any] = {"type": "stop", "matched": self.tokenizer.im_end}
+        if limit is not None and len(ids) > limit:
+            ids = ids[:limit]
+            splits = [s for s in splits if s + 1 < limit]
+            finish = {"type": "length", "length": limit}
+        return ids, finish, splits
+
+    def _parse(
+        self, body: dict[str, Any], ids: list[int], finish: dict[str, Any]
+    ) -> tuple[str, ParsedOutput, dict[str, Any], int]:
+        """What sglang's chat makes of this request's output alone: the text (its stop token off), the parse, the
+        finish reason (`tool_calls` once a call began in a stopped output), the reasoning tokens."""
+        tok = self.tokenizer
+        kwargs = body.get("chat_template_kwargs") or {}
+        text_ids = ids[:-1] if finish["type"] == "stop" else ids
+        text = tok.decode(text_ids)
+        tool_active = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        tool_names = {str(f["name"]) for f in tool_functions(body.get("tools"))} if tool_active else None
+        parsed = parse_output(
+            text,
+            separate_reasoning=body.get("separate_reasoning", True) is not False,
+            force_reasoning=kwargs.get("enable_thinking") is True,
+            tool_names=tool_names,
+        )
+        if parsed.saw_tool_start and finish["type"] == "stop":
+            finish = {"type": "tool_calls", "matched": None}
+        reasoning_tokens = 0
+        if tok.think_end is not None and tok.think_end in ids:
+            reasoning_tokens = ids.index(tok.think_end) + 1
+        elif text.startswith(THINK_START):
+            reasoning_tokens = len(ids)
+        return text, parsed, finish, reasoning_tokens
+
+    def _continued(
+        self, body: dict[str, Any], prompt_ids: list[int], rest: list[int], offset: int, t0: float
+    ) -> Generation:
+        """The rest of a cut generation, sampled as the uncut one would have (the same ids, their log-probs at their
+        place in the whole completion) and parsed, as sglang parses, on this request's output alone."""
+        ids, finish, _ = self._budgeted(body, list(rest), [])
+        text, parsed, finish, reasoning_tokens = self._parse(body, ids, finish)
+        root = prompt_ids[: len(prompt_ids) - offset]
+        return Generation(
+            rid=uuid.uuid4().hex,
+            created=int(time.time()),
+            model=body.get("model") if isinstance(body.get("model"), str) and body.get("model") else MODEL_ID,
+            prompt_ids=prompt_ids,
+            completion_ids=ids,
+            logprobs=[logprob(offset + i, t) for i, t in enumerate(ids)],
+            token_texts=self.tokenizer.token_texts(ids),
+            text=text,
+            parsed=parsed,
+            finish=finish,
+            reasoning_tokens=reasoning_tokens,
+            cached_tokens=len(prompt_ids) - 1,
+            tool_call_ids=[f"call_{uuid.uuid4().hex[:24]}" for _ in parsed.tool_calls],
+            splits=[],
+            e2e_latency=round(time.monotonic() - t0, 6),
+            root=root,
+            plan=prompt_ids[len(root) :] + rest,
+        )
+
+    def cut(self, body: dict[str, Any], gen: Generation, produced: int) -> None:
+        """The engine aborted the generation after `produced` tokens: it answers with those (parsed as they are: a
+        tool call cut short is no call), finish `abort`, and its plan is kept for a resubmission to continue."""
+        self.pause.remember(gen.root, gen.plan)
+        gen.completion_ids = gen.completion_ids[:produced]
+        gen.logprobs, gen.token_texts = gen.logprobs[:produced], gen.token_texts[:produced]
+        gen.splits = [s for s in gen.splits if s + 1 < produced]
+        gen.text, gen.parsed, _, gen.reasoning_tokens = self._parse(body, gen.completion_ids, {"type": "length"})
+        gen.tool_call_ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in gen.parsed.tool_calls]
+        gen.finish = dict(ABORT_FINISH)

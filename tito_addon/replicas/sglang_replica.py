@@ -41,13 +41,22 @@ from typing import Any
 
 from aiohttp import web
 
+from tito_addon.replicas.engine_pause import PAUSE_MODES, EnginePause, Generation
 from tito_addon.replicas.faults import TRANSPORT_FAULTS, answer_transport_fault
 from tito_addon.replicas.replica_runner import BackendThread, ServedApp, json_response
 from tito_addon.replicas.replica_tokenizer import load_tokenizer
-from tito_addon.replicas.scripted_model import logprob
+from tito_addon.replicas.scripted_model import logprob, tool_functions
 from tito_addon.replicas.sglang_bodies import SglangBodies
 from tito_addon.replicas.sglang_config import MODEL_ID, OLD_SGLANG_VERSION, ReplicaConfig
-from tito_addon.replicas.sglang_generation import BadRequest, SglangGeneration, truthy
+from tito_addon.replicas.sglang_generation import (
+    BadRequest,
+    ParsedOutput,
+    SglangGeneration,
+    parse_output,
+    reasoning_split,
+    truthy,
+)
+from tito_addon.replicas.sglang_generation import Generation as ChatGeneration
 
 __all__ = [
     "FAULT_NAMES",
@@ -100,6 +109,7 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         self._faults: list[str] = []
         self._lock = threading.Lock()
         self._cache: list[list[int]] = []  # simulated radix cache (most recent last)
+        self.pause = EnginePause()
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
@@ -108,6 +118,13 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         self.app.router.add_get("/server_info", self._server_info)
         self.app.router.add_post("/v1/chat/completions", self._chat)
         self.app.router.add_post("/generate", self._generate_native)
+        self.app.router.add_post("/pause_generation", self._pause_generation)
+        self.app.router.add_post("/continue_generation", self._continue_generation)
+        self.app.router.add_post("/abort_request", self._abort_request)
+        self.app.router.add_post("/update_weight_version", self._update_weight_version)
+        self.app.router.add_post("/detokenize", self._detokenize)
+        self.app.router.add_post("/separate_reasoning", self._separate_reasoning)
+        self.app.router.add_post("/parse_function_call", self._parse_function_call)
         self.app.router.add_get("/_replica/requests", self._replica_requests)
         self.app.router.add_get("/_replica/generated", self._replica_generated)
         self.app.router.add_post("/_replica/faults", self._replica_faults)
@@ -143,6 +160,8 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             self.received_headers.clear()
             self._faults.clear()
             self._cache.clear()
+        if self.pause.paused:  # a test that paused the engine and failed must not hold the next one's requests
+            self.pause.resume()
 
     def _pop_fault(self) -> str | None:
         with self._lock:
@@ -254,17 +273,147 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             gen = self._generate(body, t0)
         except BadRequest as exc:
             return json_response(_error_body(str(exc), 400), status=400)
-        with self._lock:
-            self.generated.append(
-                {"prompt_ids": gen.prompt_ids, "completion_ids": gen.completion_ids, "logprobs": gen.logprobs}
-            )
+        rid = body.get("rid")
+        if isinstance(rid, str) and rid:
+            if rid in self.pause.in_flight:  # sglang's tokenizer manager refuses a rid still alive
+                return json_response(_error_body("Duplicate request ID detected", 400), status=400)
+            gen.rid = rid
+        generation = await self.pause.admit(gen.rid)  # queued while the engine is paused
+        try:
+            entry = {"rid": gen.rid, "prompt_ids": gen.prompt_ids, "completion_ids": gen.completion_ids,
+                     "logprobs": gen.logprobs}  # fmt: skip
+            with self._lock:
+                self.generated.append(entry)
+            if stream:
+                response = await self._stream(request, body, gen, fault, lambda: self._step(generation, gen))
+            else:
+                await self._produce(body, gen, generation)
+                out = self._response_body(body, gen, request)
+                if fault is not None:
+                    self._apply_body_fault(out, gen, fault)
+                response = json_response(out)
+            with self._lock:
+                entry.update(completion_ids=gen.completion_ids, logprobs=gen.logprobs, labels=list(gen.labels))
+            return response
+        finally:
+            self.pause.finish(generation)
 
-        if stream:
-            return await self._stream(request, body, gen, fault)
-        out = self._response_body(body, gen, request)
-        if fault is not None:
-            self._apply_body_fault(out, gen, fault)
-        return json_response(out)
+    async def _step(self, generation: Generation, gen: ChatGeneration) -> bool:
+        """Before each token: whether the engine samples it (False once aborted), at the configured pace."""
+        if not await self.pause.step(generation, self.config.weight_version):
+            return False
+        gen.labels = generation.labels
+        if self.config.token_delay_s:
+            await asyncio.sleep(self.config.token_delay_s)
+        return True
+
+    async def _produce(self, body: dict[str, Any], gen: ChatGeneration, generation: Generation) -> None:
+        """Sample the planned tokens one step at a time: an abort ends the generation with those it has."""
+        produced = 0
+        for _ in gen.completion_ids:
+            if not await self._step(generation, gen):
+                break
+            produced += 1
+        if produced < len(gen.completion_ids):
+            self.cut(body, gen, produced)
+
+    # ------------------------------------------------------ weight updates (../shared/docs/weight-updates.md §1)
+    async def _json_object(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    async def _pause_generation(self, request: web.Request) -> web.Response:
+        """`/pause_generation {"mode": "abort"|"retract"|"in_place"}`: answers once the pause holds."""
+        try:
+            mode = (await self._json_object(request)).get("mode", "abort")
+        except BadRequest as exc:
+            return json_response(_error_body(str(exc), 400), status=400)
+        if mode not in PAUSE_MODES - {"wait", "keep"}:
+            return json_response(_error_body(f"Invalid mode {mode!r}", 400), status=400)
+        await self.pause.pause(mode)
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue_generation(self, request: web.Request) -> web.Response:
+        self.pause.resume()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _abort_request(self, request: web.Request) -> web.Response:
+        """`/abort_request {"rid", "abort_all"}`: sglang aborts every request whose rid starts with `rid`."""
+        try:
+            body = await self._json_object(request)
+        except BadRequest as exc:
+            return json_response(_error_body(str(exc), 400), status=400)
+        rid = body["rid"] if isinstance(body.get("rid"), str) else ""
+        if body.get("abort_all") is True or rid:
+            self.pause.abort("" if body.get("abort_all") is True else rid)
+        return web.Response(status=200)
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        """`/update_weight_version {"new_version", "abort_all_requests": true}`: by default it aborts every request
+        in flight (the pitfall Miles hit), then labels the next tokens with the new version."""
+        try:
+            body = await self._json_object(request)
+        except BadRequest as exc:
+            return json_response(_error_body(str(exc), 400), status=400)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            return json_response(_error_body("new_version must be a string", 400), status=400)
+        if body.get("abort_all_requests", True) is not False:
+            self.pause.abort()
+        self.config.weight_version = version
+        return json_response({"success": True, "message": f"Weight version updated to {version}"})
+
+    # ----------------------------------------------------------------- parsing routes (no generation)
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_object(request)
+        except BadRequest as exc:
+            return json_response(_error_body(str(exc), 400), status=400)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < self.tokenizer.size for t in tokens):
+            return json_response(_error_body("tokens must be a list of token ids", 400), status=400)
+        skip = body.get("skip_special_tokens", True) is not False
+        return json_response({"text": self.tokenizer.decode(tokens, skip_special_tokens=skip)})
+
+    async def _separate_reasoning(self, request: web.Request) -> web.Response:
+        """`/separate_reasoning {text, reasoning_parser}` with the served parser (qwen3, not forced, as the route)."""
+        try:
+            body = await self._json_object(request)
+        except BadRequest as exc:
+            return json_response(_error_body(str(exc), 400), status=400)
+        if body.get("reasoning_parser") != "qwen3" or not isinstance(body.get("text"), str):
+            return json_response(
+                {"detail": f"Unsupported reasoning parser {body.get('reasoning_parser')!r}"}, status=500
+            )
+        text = body["text"]
+        span, normal_start = reasoning_split(text, force_reasoning=False)
+        reasoning = text[span[0] : span[1]] if span else None
+        return json_response({"reasoning_text": reasoning, "text": text[normal_start:]})
+
+    async def _parse_function_call(self, request: web.Request) -> web.Response:
+        """`/parse_function_call {text, tool_call_parser, tools}` with the served parser (qwen25)."""
+        try:
+            body = await self._json_object(request)
+        except BadRequest as exc:
+            return json_response(_error_body(str(exc), 400), status=400)
+        if body.get("tool_call_parser") != "qwen25" or not isinstance(body.get("text"), str):
+            return json_response(
+                {"detail": f"Unsupported tool_call_parser {body.get('tool_call_parser')!r}"}, status=500
+            )
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+        names = [str(f["name"]) for f in tool_functions(tools)]
+        if not names:
+            return json_response({"normal_text": body["text"], "calls": []})
+        parsed: ParsedOutput = parse_output(body["text"], separate_reasoning=False, force_reasoning=False,
+                                            tool_names=set(names))  # fmt: skip
+        calls = [{"tool_index": names.index(name), "name": name, "parameters": arguments}
+                 for name, arguments in parsed.tool_calls]  # fmt: skip
+        return json_response({"normal_text": parsed.content or "", "calls": calls})
 
     async def _transport_fault(self, request: web.Request, fault: str) -> web.StreamResponse:
         if fault.startswith("http"):

@@ -1,0 +1,237 @@
+"""Generations that live through weight updates on sglang: the openai SDK -> a real mitmdump -> the sglang replica,
+whose engine a "trainer" (the test) pauses, relabels and resumes as ../shared/docs/weight-updates.md §1 describes.
+
+sglang ends a generation cut by `/pause_generation` (abort mode), `/update_weight_version` (it aborts every request by
+default) or `/abort_request` with a graceful abort: HTTP 200, `finish_reason: "abort"`, the partial ids and log-probs in
+`meta_info`. Its chat endpoint parses each request's output alone, so the proxy resubmits `prompt + partial` under a
+fresh rid and has the server's own parsers read the whole completion once: the agent gets the answer an uncut
+generation gives, whole or streamed, and the record holds both attempts' ids, log-probs and per-token versions. An
+`in_place` pause holds the request instead: nothing is resubmitted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
+
+from tito_addon.records.record_reader import read_session
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.01, answer_sentences=2)
+    with ReplicaThread(config) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def proxy(sglang, tmp_path_factory):
+    record_dir = tmp_path_factory.mktemp("rec")
+    options = {"tito_backend_kind": "sglang", "tito_resume_max": "3"}
+    with Mitmdump(
+        sglang.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=record_dir.parent, options=options
+    ) as running:
+        running.record_dir = record_dir
+        yield running
+
+
+@pytest.fixture
+def engine(sglang):
+    sglang.backend.reset()
+    sglang.backend.config.weight_version = "default"
+    yield sglang
+    if sglang.backend.pause.paused:
+        post(sglang.url + "/continue_generation")
+
+
+def ask(proxy: Mitmdump, session: str, *, stream: bool, tools: bool = False) -> dict:
+    """One turn as the agent sees it: its message (streamed: accumulated from the deltas) and finish reason."""
+    client = openai.OpenAI(
+        base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0, timeout=60
+    )
+    extra = {"tools": TOOLS} if tools else {}
+    if not stream:
+        reply = client.chat.completions.create(model="qwen3", messages=MESSAGES, max_tokens=500, **extra)
+        message = reply.choices[0].message.model_dump()
+        return {**message, "finish_reason": reply.choices[0].finish_reason}
+    with client.chat.completions.stream(model="qwen3", messages=MESSAGES, max_tokens=500, **extra) as events:
+        content = [event.delta for event in events if event.type == "content.delta"]
+        final = events.get_final_completion()
+    message = final.choices[0].message.model_dump()
+    assert "".join(content) == (message["content"] or "")
+    return {**message, "finish_reason": final.choices[0].finish_reason}
+
+
+def answer_of(message: dict) -> dict:
+    """What two answers to one prompt must share: the text, the reasoning, the calls (whose ids are fresh)."""
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or []]
+    extra = message.get("model_extra") or {}
+    reasoning = message.get("reasoning_content") or extra.get("reasoning_content")
+    return {"content": message.get("content") or None, "reasoning": reasoning, "calls": calls,
+            "finish_reason": message["finish_reason"]}  # fmt: skip
+
+
+def during(fn, *args, **kwargs):
+    """Run the agent's turn in a thread; the caller acts as the trainer meanwhile."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def sampled(engine, tokens: int, rid: str | None = None) -> str:
+    """Once a generation (the one named `rid`, else any) has sampled `tokens`: its rid."""
+    deadline = time.monotonic() + 20
+    while True:
+        for generation in list(engine.backend.pause.in_flight.values()):
+            if (rid is None or generation.rid == rid) and len(generation.labels) >= tokens:
+                return generation.rid
+        assert time.monotonic() < deadline, "no generation got that far"
+        time.sleep(0.005)
+
+
+def turns(record_dir: Path, session: str) -> list:
+    found = read_session(record_dir, session)
+    return found.turns if found is not None else []
+
+
+def cut_by(engine, how: str, after_tokens: int) -> None:
+    """The trainer's side, once a generation has sampled `after_tokens`: an abort-mode pause, an update to "v2",
+    the resume (`pause`), or only the update, which aborts everything in flight by default (`relabel`)."""
+    sampled(engine, after_tokens)
+    if how == "pause":
+        assert post(engine.url + "/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"
+        assert post(engine.url + "/update_weight_version", json={"new_version": "v2"}).status_code == 200
+        time.sleep(0.2)  # the update takes a while; the resubmitted attempt waits in the engine's queue
+        assert post(engine.url + "/continue_generation").json()["status"] == "ok"
+    else:
+        assert post(engine.url + "/update_weight_version", json={"new_version": "v2"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("stream", "tools", "how"),
+    [(False, False, "pause"), (True, False, "pause"), (False, True, "relabel"), (True, True, "pause")],
+    ids=["whole", "streamed", "whole-tool-call-relabel", "streamed-tool-call"],
+)
+def test_a_cut_generation_is_resumed_to_the_answer_an_uncut_one_gives(proxy, engine, stream, tools, how) -> None:
+    session = f"{how}-{stream}-{tools}"
+    uncut_answer = ask(proxy, f"uncut-{session}", stream=stream, tools=tools)
+    (uncut,) = turns(proxy.record_dir, f"uncut-{session}")
+    engine.backend.reset()
+    ids = uncut.completion_ids
+    # Mid-reasoning; with tools, inside the call, so that neither attempt alone parses into the answer.
+    tool_start = engine.backend.tokenizer.encode("<tool_call>")[0]
+    at = ids.index(tool_start) + 4 if tools else 12
+    assert at < len(ids) - 4
+
+    thread, out = during(ask, proxy, session, stream=stream, tools=tools)
+    cut_by(engine, how, at)
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    assert answer_of(out["value"]) == answer_of(uncut_answer)  # no trace of the cut in what the agent reads
+    if tools:
+        assert out["value"]["tool_calls"] and out["value"]["finish_reason"] == "tool_calls"
+
+    (turn,) = turns(proxy.record_dir, session)
+    assert turn.completion_ids == ids and turn.completion_logprobs == uncut.completion_logprobs
+    assert turn.finish_reason == uncut.finish_reason
+    assert answer_of({**turn.assistant_message, "finish_reason": turn.finish_reason}) == answer_of(
+        {**uncut.assistant_message, "finish_reason": uncut.finish_reason}
+    )
+    first, second = engine.backend.generated_copy()
+    cut = len(first["completion_ids"])
+    assert at <= cut < len(ids)
+    assert second["prompt_ids"] == first["prompt_ids"] + ids[:cut]  # prompt + partial, exactly
+    assert first["completion_ids"] + second["completion_ids"] == ids
+    # sglang aborts by rid prefix: each attempt runs under a fresh rid that no other starts with.
+    assert first["rid"] != second["rid"] and not second["rid"].startswith(first["rid"])
+    sent = [body for body in engine.backend.received_copy()]
+    assert sent[1]["rid"] == second["rid"] and sent[1]["max_tokens"] == 500 - cut
+    assert turn.resumed is not None and turn.resumed.attempts == 2 and turn.resumed.cuts == [cut]
+    assert turn.weight_version == "v2"
+    if stream:  # sglang's chat stream carries no versions: the first attempt's tokens have none, nothing invented
+        expected = [{"version": None, "start": 0, "end": cut}, {"version": "v2", "start": cut, "end": len(ids)}]
+    else:
+        expected = [{"version": "default", "start": 0, "end": cut}, {"version": "v2", "start": cut, "end": len(ids)}]
+    assert turn.weight_version_spans == expected
+
+
+def test_an_in_place_pause_holds_the_generation_and_nothing_is_resubmitted(proxy, engine) -> None:
+    thread, out = during(ask, proxy, "in-place", stream=False)
+    sampled(engine, 12)
+    assert post(engine.url + "/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
+    # Miles's pitfall avoided: relabel without aborting the requests the pause holds.
+    post(engine.url + "/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
+    time.sleep(0.3)
+    assert thread.is_alive()  # held, not answered, not timed out
+    post(engine.url + "/continue_generation")
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    (turn,) = turns(proxy.record_dir, "in-place")
+    (only,) = engine.backend.generated_copy()
+    assert only["completion_ids"] == turn.completion_ids and turn.resumed is None
+    spans = turn.weight_version_spans
+    assert spans is not None and [s["version"] for s in spans] == ["default", "v2"]
+    assert spans[0]["end"] >= 12 and spans[-1]["end"] == len(turn.completion_ids)
+
+
+def test_aborting_the_first_attempts_rid_does_not_cut_the_resumed_one(proxy, engine) -> None:
+    thread, out = during(ask, proxy, "rid-prefix", stream=False)
+    cut_by(engine, "pause", 12)
+    deadline = time.monotonic() + 20
+    while len(engine.backend.generated_copy()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    first, second = engine.backend.generated_copy()
+    sampled(engine, 3, rid=second["rid"])
+    assert post(engine.url + "/abort_request", json={"rid": first["rid"]}).status_code == 200
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    (turn,) = turns(proxy.record_dir, "rid-prefix")
+    assert turn.resumed is not None and turn.resumed.attempts == 2
+    assert len(engine.backend.generated_copy()) == 2
+
+
+def test_past_the_resumption_cap_the_agent_gets_an_error_and_nothing_is_recorded(proxy, engine) -> None:
+    thread, out = during(ask, proxy, "capped", stream=False)
+    for count in range(1, 5):  # tito_resume_max is 3: the fourth cut is one too many
+        deadline = time.monotonic() + 20
+        while len(engine.backend.generated_copy()) < count:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        rid = engine.backend.generated_copy()[-1]["rid"]
+        sampled(engine, 2, rid=rid)
+        post(engine.url + "/abort_request", json={"rid": rid})
+    thread.join(60)
+    error = out.get("error")
+    assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+    assert "tito_resume_max" in error.message
+    assert turns(proxy.record_dir, "capped") == []
+    assert len(engine.backend.generated_copy()) == 4
