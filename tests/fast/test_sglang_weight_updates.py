@@ -20,6 +20,7 @@ import openai
 import pytest
 from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
+from support.tito_commands import redrive, replay_proxy
 
 from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
@@ -64,17 +65,17 @@ def engine(sglang):
         post(sglang.url + "/continue_generation")
 
 
-def ask(proxy: Mitmdump, session: str, *, stream: bool, tools: bool = False) -> dict:
+def ask(proxy: Mitmdump, session: str, *, stream: bool, tools: bool = False, messages: list = MESSAGES) -> dict:
     """One turn as the agent sees it: its message (streamed: accumulated from the deltas) and finish reason."""
     client = openai.OpenAI(
         base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0, timeout=60
     )
     extra = {"tools": TOOLS} if tools else {}
     if not stream:
-        reply = client.chat.completions.create(model="qwen3", messages=MESSAGES, max_tokens=500, **extra)
+        reply = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=500, **extra)
         message = reply.choices[0].message.model_dump()
         return {**message, "finish_reason": reply.choices[0].finish_reason}
-    with client.chat.completions.stream(model="qwen3", messages=MESSAGES, max_tokens=500, **extra) as events:
+    with client.chat.completions.stream(model="qwen3", messages=messages, max_tokens=500, **extra) as events:
         content = [event.delta for event in events if event.type == "content.delta"]
         final = events.get_final_completion()
     message = final.choices[0].message.model_dump()
@@ -235,3 +236,30 @@ def test_past_the_resumption_cap_the_agent_gets_an_error_and_nothing_is_recorded
     assert "tito_resume_max" in error.message
     assert turns(proxy.record_dir, "capped") == []
     assert len(engine.backend.generated_copy()) == 4
+
+
+def test_a_resumed_turn_replays_and_redrives_as_one_turn(proxy, engine, tmp_path) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Lyon, replayed?"}]
+    thread, out = during(ask, proxy, "replayed", stream=False, tools=True, messages=messages)
+    cut_by(engine, "pause", 12)
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    (turn,) = turns(proxy.record_dir, "replayed")
+    assert turn.resumed is not None and turn.resumed.attempts == 2
+    # Replay serves the stitched answer with no backend, as one recorded turn.
+    with replay_proxy(proxy.record_dir, tmp_path) as replayer:
+        again = ask(replayer, "replayed-again", stream=False, tools=True, messages=messages)
+    assert answer_of(again) == answer_of(out["value"])
+    # Re-drive scores the whole completion in one request: the prompt and both attempts' tokens.
+    engine.backend.reset()
+    engine.backend.scored.clear()
+    redrive(proxy.record_dir, engine.url, tmp_path / "redrive.json")
+    whole = turn_prompt(proxy.record_dir, "replayed") + turn.completion_ids
+    assert [body["input_ids"] for body in engine.backend.scored].count(whole) == 1
+
+
+def turn_prompt(record_dir: Path, session: str) -> list[int]:
+    found = read_session(record_dir, session)
+    assert found is not None
+    (prompt, _completion) = found.full_ids()[0]
+    return prompt

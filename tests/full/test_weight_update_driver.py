@@ -1,10 +1,13 @@
 """A rollout shaped like an async RL loop's: 32 agents run tool-using episodes through one mitmdump while a trainer
-pushes 5 weight updates into the (vLLM replica's) engine, each a `/pause?mode=abort`, a new version and a `/resume`.
+pushes 5 weight updates into the engine, each an abort-mode pause, a new version and the resume: vLLM's
+`/pause?mode=abort`, `/update_weight_version`, `/resume`; sglang's `/pause_generation {"mode": "abort"}`,
+`/update_weight_version`, `/continue_generation`.
 
 Half the agents are openai-python chat agents, half the anthropic SDK streaming Messages as Claude Code does. No
 agent may see an error or a cut answer; every recorded turn's ids are exactly what the engine generated across its
 attempts (each resubmission on prompt + everything before), each resumed turn says so, and the exported per-token
-weight versions are the labels the engine sampled each token under.
+weight versions are the labels the engine sampled each token under (sglang's chat stream reports no versions: a
+streamed attempt's tokens are recorded with none, never with a made-up one).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from support.basics import TOOLS, echo, tokenizer_path
 from support.proxy_harness import REPO, Mitmdump, post
 
 from tito_addon.records.record_reader import iter_session_files
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 pytestmark = [pytest.mark.full, pytest.mark.serial]
@@ -68,12 +72,22 @@ def messages_episode(url: str, name: str) -> list[str]:
     return finishes
 
 
-def test_thirty_two_agents_through_five_weight_updates(tmp_path) -> None:
-    config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.004, max_model_len=32768)
+def engine_for(kind: str):
+    """The replica, its trainer-side calls (pause in abort mode, relabel, resume) and what it generated."""
+    if kind == "vllm":
+        config = VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.004, max_model_len=32768)
+        return VllmReplicaThread(config), ("/pause?mode=abort", None, "/resume")
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.004, context_length=32768)
+    return ReplicaThread(config), ("/pause_generation", {"mode": "abort"}, "/continue_generation")
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_thirty_two_agents_through_five_weight_updates(tmp_path, kind) -> None:
+    engine, (pause, pause_body, resume) = engine_for(kind)
     record_dir = tmp_path / "rec"
-    with VllmReplicaThread(config) as replica, Mitmdump(
+    with engine as replica, Mitmdump(
         replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
-        options={"tito_backend_kind": "vllm"},
+        options={"tito_backend_kind": kind},
     ) as proxy:  # fmt: skip
         results: dict[str, list[str]] = {}
         errors: list[str] = []
@@ -91,17 +105,17 @@ def test_thirty_two_agents_through_five_weight_updates(tmp_path) -> None:
             agent.start()
         for update in range(1, UPDATES + 1):  # the trainer: an update every half second while the agents run
             time.sleep(0.5)
-            assert post(replica.url + "/pause?mode=abort", timeout=60).json() == {"status": "paused"}
+            assert post(replica.url + pause, json=pause_body, timeout=60).status_code == 200
             post(replica.url + "/update_weight_version", json={"new_version": f"step-{update}"})
             time.sleep(0.1)
-            post(replica.url + "/resume")
+            post(replica.url + resume)
         for agent in agents:
             agent.join(300)
         assert not errors, errors
         assert len(results) == AGENTS
         finished = {f for finishes in results.values() for f in finishes}
         assert finished <= {"stop", "tool_calls", "end_turn", "tool_use"}, finished  # never a cut answer
-        generated = replica.generated()
+        generated = replica.generated() if kind == "vllm" else replica.backend.generated_copy()
         cut = replica.backend.pause.aborted
 
     # Every recorded turn is the chain of engine requests that generated it: the first on its prompt, each next one
@@ -119,7 +133,13 @@ def test_thirty_two_agents_through_five_weight_updates(tmp_path) -> None:
             sampled += step["completion_ids"]
             labels += step["labels"]
             chain += 1
-        assert sampled == completion and labels == turn.token_weight_versions()
+        versions = turn.token_weight_versions()
+        assert sampled == completion and len(labels) == len(versions)
+        if kind == "sglang" and turn.api == "anthropic_messages":  # streamed: the first attempt's versions unsaid
+            first = len(by_prompt[tuple(prompt)]["completion_ids"])
+            assert versions[:first] == [None] * first and versions[first:] == labels[first:]
+        else:
+            assert labels == versions
         assert (turn.resumed.attempts if turn.resumed else 1) == chain
         resumed += chain > 1
     assert resumed >= UPDATES and cut >= resumed, (resumed, cut)

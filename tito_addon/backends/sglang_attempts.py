@@ -117,8 +117,8 @@ def rest_of_message(sent: dict[str, Any], whole: dict[str, Any]) -> list[dict[st
     for index, call in enumerate(calls):
         function = call["function"]
         if index >= len(have_calls):
-            deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
-                                           "function": {"name": function["name"], "arguments": ""}}]})  # fmt: skip
+            named = {"name": function["name"], "arguments": ""}
+            deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function", "function": named}]})
             deltas.append({"tool_calls": [{"index": index, "function": {"arguments": function["arguments"]}}]})
             continue
         had = have_calls[index]

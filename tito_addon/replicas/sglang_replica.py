@@ -409,10 +409,13 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         names = [str(f["name"]) for f in tool_functions(tools)]
         if not names:
             return json_response({"normal_text": body["text"], "calls": []})
-        parsed: ParsedOutput = parse_output(body["text"], separate_reasoning=False, force_reasoning=False,
-                                            tool_names=set(names))  # fmt: skip
-        calls = [{"tool_index": names.index(name), "name": name, "parameters": arguments}
-                 for name, arguments in parsed.tool_calls]  # fmt: skip
+        parsed: ParsedOutput = parse_output(
+            body["text"], separate_reasoning=False, force_reasoning=False, tool_names=set(names)
+        )
+        calls = [
+            {"tool_index": names.index(name), "name": name, "parameters": arguments}
+            for name, arguments in parsed.tool_calls
+        ]
         return json_response({"normal_text": parsed.content or "", "calls": calls})
 
     async def _transport_fault(self, request: web.Request, fault: str) -> web.StreamResponse:
