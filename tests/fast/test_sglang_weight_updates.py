@@ -22,10 +22,12 @@ from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
 from support.tito_commands import redrive, replay_proxy
 
+from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOKEN = "sglang-resume-control-token-0123"
 TOOLS = [
     {
         "type": "function",
@@ -48,7 +50,7 @@ def sglang():
 @pytest.fixture(scope="module")
 def proxy(sglang, tmp_path_factory):
     record_dir = tmp_path_factory.mktemp("rec")
-    options = {"tito_backend_kind": "sglang", "tito_resume_max": "3"}
+    options = {"tito_backend_kind": "sglang", "tito_resume_max": "3", "tito_control_token": TOKEN}
     with Mitmdump(
         sglang.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=record_dir.parent, options=options
     ) as running:
@@ -65,11 +67,14 @@ def engine(sglang):
         post(sglang.url + "/continue_generation")
 
 
-def ask(proxy: Mitmdump, session: str, *, stream: bool, tools: bool = False, messages: list = MESSAGES) -> dict:
+def ask(
+    proxy: Mitmdump, session: str, *, stream: bool, tools: bool = False, messages: list = MESSAGES, timeout: float = 60
+) -> dict:
     """One turn as the agent sees it: its message (streamed: accumulated from the deltas) and finish reason."""
     client = openai.OpenAI(
-        base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0, timeout=60
-    )
+        base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0,
+        timeout=timeout,
+    )  # fmt: skip
     extra = {"tools": TOOLS} if tools else {}
     if not stream:
         reply = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=500, **extra)
@@ -263,3 +268,52 @@ def turn_prompt(record_dir: Path, session: str) -> list[int]:
     assert found is not None
     (prompt, _completion) = found.full_ids()[0]
     return prompt
+
+
+def test_an_abort_with_an_error_status_is_the_servers_error_and_is_not_resumed(proxy, engine) -> None:
+    engine.backend.set_faults(["http503"])  # what sglang answers for an abort it gives a status (its own timeouts)
+    with pytest.raises(openai.APIStatusError) as caught:
+        ask(proxy, "error-abort", stream=False)
+    assert caught.value.status_code == 503
+    assert len(engine.backend.received_copy()) == 1 and turns(proxy.record_dir, "error-abort") == []
+
+
+def test_an_agent_that_leaves_during_the_pause_is_neither_resumed_nor_recorded(proxy, engine) -> None:
+    thread, out = during(ask, proxy, "left", stream=False, timeout=1.5)
+    sampled(engine, 12)
+    assert post(engine.url + "/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"
+    thread.join(30)  # the agent's client gives up while its resubmitted generation waits for the resume
+    assert isinstance(out.get("error"), openai.APITimeoutError)
+    time.sleep(0.5)
+    post(engine.url + "/continue_generation")
+    time.sleep(1.0)
+    assert turns(proxy.record_dir, "left") == []
+    with TitoClient(proxy.url, TOKEN) as tito:
+        assert tito.info()["generations_cut"]["resuming"] == 0
+    assert len(engine.backend.generated_copy()) == 1, "the resubmission left with its agent"
+
+
+@pytest.fixture(scope="module")
+def bounded(sglang, tmp_path_factory):
+    record_dir = tmp_path_factory.mktemp("bounded")
+    options = {"tito_backend_kind": "sglang", "tito_resume_max": "10", "tito_resume_wait": "1"}
+    with Mitmdump(
+        sglang.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=record_dir.parent, options=options
+    ) as running:
+        running.record_dir = record_dir
+        yield running
+
+
+def test_a_generation_cut_again_past_the_wait_bound_is_an_error_and_nothing_is_recorded(bounded, engine) -> None:
+    thread, out = during(ask, bounded, "overdue", stream=False)
+    sampled(engine, 12)
+    assert post(engine.url + "/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"  # the first cut
+    time.sleep(1.2)  # the resubmission is held, past tito_resume_wait (1 s)
+    post(engine.url + "/continue_generation")
+    second = sampled(engine, 2)
+    post(engine.url + "/abort_request", json={"rid": second})  # cut again: no attempt may start now
+    thread.join(60)
+    error = out.get("error")
+    assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+    assert "tito_resume_wait" in error.message
+    assert turns(bounded.record_dir, "overdue") == [] and len(engine.backend.generated_copy()) == 2

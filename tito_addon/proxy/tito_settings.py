@@ -64,8 +64,8 @@ class TitoSettings(BaseModel):
         ge=0,
         le=10_000,
     )
-    resume_wait: float = option(
-        900.0,
+    resume_wait: float = option(  # an int default: mitmproxy's options take no float
+        900,
         "Seconds after a generation's first cut within which it may be resumed; past it the agent gets an error.",
         gt=0,
     )

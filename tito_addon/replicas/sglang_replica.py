@@ -280,14 +280,18 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             gen.rid = rid
         generation = await self.pause.admit(gen.rid)  # queued while the engine is paused
         try:
+            if request.transport is None or request.transport.is_closing():
+                # sglang aborts a request whose client disconnected (its tokenizer manager watches the connection)
+                return web.Response(status=499)
             entry = {"rid": gen.rid, "prompt_ids": gen.prompt_ids, "completion_ids": gen.completion_ids,
                      "logprobs": gen.logprobs}  # fmt: skip
             with self._lock:
                 self.generated.append(entry)
             if stream:
                 response = await self._stream(request, body, gen, fault, lambda: self._step(generation, gen))
+            elif not await self._produce(body, gen, generation, request):
+                return web.Response(status=499)  # its client went away: aborted, never answered
             else:
-                await self._produce(body, gen, generation)
                 out = self._response_body(body, gen, request)
                 if fault is not None:
                     self._apply_body_fault(out, gen, fault)
@@ -307,15 +311,21 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             await asyncio.sleep(self.config.token_delay_s)
         return True
 
-    async def _produce(self, body: dict[str, Any], gen: ChatGeneration, generation: Generation) -> None:
-        """Sample the planned tokens one step at a time: an abort ends the generation with those it has."""
+    async def _produce(
+        self, body: dict[str, Any], gen: ChatGeneration, generation: Generation, request: web.Request
+    ) -> bool:
+        """Sample the planned tokens one step at a time: an abort ends the generation with those it has; False when
+        its client went away (sglang then aborts it, and nobody reads the answer)."""
         produced = 0
         for _ in gen.completion_ids:
             if not await self._step(generation, gen):
                 break
+            if request.transport is None or request.transport.is_closing():
+                return False
             produced += 1
         if produced < len(gen.completion_ids):
             self.cut(body, gen, produced)
+        return True
 
     # ------------------------------------------------------ weight updates (../shared/docs/weight-updates.md §1)
     async def _json_object(self, request: web.Request) -> dict[str, Any]:
