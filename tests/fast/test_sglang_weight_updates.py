@@ -68,14 +68,23 @@ def engine(sglang):
 
 
 def ask(
-    proxy: Mitmdump, session: str, *, stream: bool, tools: bool = False, messages: list = MESSAGES, timeout: float = 60
+    proxy: Mitmdump,
+    session: str,
+    *,
+    stream: bool,
+    tools: bool = False,
+    messages: list = MESSAGES,
+    timeout: float = 60,
+    stop: list[str] | None = None,
 ) -> dict:
     """One turn as the agent sees it: its message (streamed: accumulated from the deltas) and finish reason."""
     client = openai.OpenAI(
         base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0,
         timeout=timeout,
     )  # fmt: skip
-    extra = {"tools": TOOLS} if tools else {}
+    extra: dict = {"tools": TOOLS} if tools else {}
+    if stop:
+        extra["stop"] = stop
     if not stream:
         reply = client.chat.completions.create(model="qwen3", messages=messages, max_tokens=500, **extra)
         message = reply.choices[0].message.model_dump()
@@ -317,3 +326,43 @@ def test_a_generation_cut_again_past_the_wait_bound_is_an_error_and_nothing_is_r
     assert isinstance(error, openai.APIStatusError) and error.status_code == 503
     assert "tito_resume_wait" in error.message
     assert turns(bounded.record_dir, "overdue") == [] and len(engine.backend.generated_copy()) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_string_that_straddles_the_cut_ends_the_generation_there(proxy, engine, stream) -> None:
+    """Each engine request checks its stop strings over its own output, so one that began before the cut and ends
+    after it stops neither: the proxy finds it over the stitched text and ends the generation where the uncut
+    generation stops."""
+    ask(proxy, f"plain-{stream}", stream=False)
+    (plain,) = turns(proxy.record_dir, f"plain-{stream}")
+    tok, ids, at = engine.backend.tokenizer, plain.completion_ids, 20
+    head = tok.decode(ids[: at - 3])
+    stop = tok.decode(ids[: at + 6])[len(head) :]  # around the cut, which falls at `at` or a token or two later
+    assert tok.decode(ids).find(stop) == len(head)
+    uncut_answer = ask(proxy, f"uncut-stop-{stream}", stream=stream, stop=[stop])
+    (uncut,) = turns(proxy.record_dir, f"uncut-stop-{stream}")
+    assert uncut.finish_reason == "stop" and len(uncut.completion_ids) < len(ids)
+    engine.backend.reset()
+
+    thread, out = during(ask, proxy, f"stop-{stream}", stream=stream, stop=[stop])
+    cut_by(engine, "pause", at)
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    (turn,) = turns(proxy.record_dir, f"stop-{stream}")
+    first, second = engine.backend.generated_copy()
+    cut = len(first["completion_ids"])
+    assert at - 3 < cut < at + 6 and turn.resumed is not None and turn.resumed.cuts == [cut]
+    assert len(second["completion_ids"]) > len(uncut.completion_ids) - cut  # the engine did not see the stop
+    assert turn.completion_ids == uncut.completion_ids and turn.finish_reason == "stop"
+    assert turn.completion_logprobs == uncut.completion_logprobs
+    answer = answer_of(out["value"])
+    if not stream:
+        assert answer == answer_of(uncut_answer)
+    else:  # the part of the stop string sampled before the cut had been streamed: the agent keeps it, no more
+        reasoning = uncut_answer.get("reasoning_content") or (uncut_answer.get("model_extra") or {}).get(
+            "reasoning_content"
+        )
+        assert answer["reasoning"].startswith(reasoning) and len(answer["reasoning"]) < len(reasoning) + len(stop)
+        assert answer["finish_reason"] == "stop"
+        recorded = answer_of({**turn.assistant_message, "finish_reason": turn.finish_reason})
+        assert recorded == answer  # the record says what the agent has

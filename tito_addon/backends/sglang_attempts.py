@@ -97,13 +97,18 @@ def chat_stops(chat_body: dict[str, Any]) -> list[str]:
     return [s for s in stop if isinstance(s, str) and s] if isinstance(stop, list) else []
 
 
-def rest_of_message(sent: dict[str, Any], whole: dict[str, Any]) -> list[dict[str, Any]]:
+def rest_of_message(sent: dict[str, Any], whole: dict[str, Any], stopped: bool = False) -> list[dict[str, Any]]:
     """The deltas that take a streamed agent from the message it has (`sent`: the attempt before the cut) to the whole
     one; the whole message's calls keep the ids the agent already has. Where the whole parse contradicts what was
-    sent (text the agent read as content is reasoning over the whole completion), nothing can be taken back: refused."""
+    sent (text the agent read as content is reasoning over the whole completion), nothing can be taken back: refused.
+    `stopped`: a stop string that straddles the cut ended the generation, and the agent may have been sent the part of
+    it before the cut: it keeps that text, and `whole` (what is recorded) says what the agent has."""
     deltas: list[dict[str, Any]] = []
     for key in ("reasoning_content", "content"):
         have, want = sent.get(key) or "", whole.get(key) or ""
+        if stopped and have.startswith(want):
+            whole[key] = have or None
+            continue
         if not want.startswith(have):
             raise UpstreamMalformed(
                 f"the resumed generation's {key} does not continue what the agent was streamed before the cut; "

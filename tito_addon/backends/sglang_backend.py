@@ -199,8 +199,8 @@ class SglangBackend:
         try:
             stitched.cut(Attempt(completion_ids, logprobs, None))
             last, final = await self._continue(turn, stitched)
-            message, final = await self._whole_message(turn, stitched, last, final)
-            for delta in rest_of_message(accumulated.message(), message):
+            message, final, stopped = await self._whole_message(turn, stitched, last, final)
+            for delta in rest_of_message(accumulated.message(), message, stopped):
                 rest: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
                 if asked_logprobs:
                     rest["logprobs"] = {"content": stitched.entries}
@@ -279,7 +279,7 @@ class SglangBackend:
         try:
             stitched.cut(attempt.kept())
             last, final = await self._continue(turn, stitched)
-            message, final = await self._whole_message(turn, stitched, last, final)
+            message, final, _ = await self._whole_message(turn, stitched, last, final)
             result = self.stitched_result(turn, stitched, (attempt, last or attempt), message, final)
             finished = True
             return result
@@ -304,9 +304,9 @@ class SglangBackend:
 
     async def _whole_message(
         self, turn: BackendTurn, stitched: StitchedGeneration, last: ChatAttempt | None, finish: str
-    ) -> tuple[dict[str, Any], str]:
-        """The message and finish reason of the whole generation, parsed once by the server's own parsers; a stop
-        string that straddles a cut (each attempt checked its own output only) ends it there."""
+    ) -> tuple[dict[str, Any], str, bool]:
+        """The message and finish reason of the whole generation, parsed once by the server's own parsers, and whether
+        a stop string that straddles a cut (each attempt checked its own output only) ended it there."""
         stop: str | None = None
         drop_last = False
         matched = last.finish.get("matched") if last is not None and finish == "stop" else None
@@ -326,7 +326,7 @@ class SglangBackend:
         parser = CompletionParser(self.client, turn.base_url, turn.headers, server)
         message, final = await parser.message(StitchedText(stitched.ids, stop, drop_last), turn.chat_body, tail, finish)
         checked_message(message)
-        return message, final or finish
+        return message, final or finish, at is not None
 
     def stitched_result(
         self,

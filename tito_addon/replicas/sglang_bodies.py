@@ -242,7 +242,8 @@ class SglangBodies:
         yield chunk({"role": "assistant", "content": ""})
         p = gen.parsed
         text = gen.text
-        n_text = len(gen.completion_ids) - (1 if gen.finish["type"] != "length" else 0)
+        stop_token = gen.finish["type"] != "length" and not isinstance(gen.finish.get("matched"), str)
+        n_text = len(gen.completion_ids) - (1 if stop_token else 0)
         lp_from, prev = 0, 0
         call_ids = self._tool_calls_json(gen) or []
         next_call = 0

@@ -316,6 +316,16 @@ class SglangGeneration:
             ids = ids[:limit]
             splits = [s for s in splits if s + 1 < limit]
             finish = {"type": "length", "length": limit}
+        stops = body.get("stop")
+        stops = [stops] if isinstance(stops, str) else [s for s in stops or [] if isinstance(s, str) and s]
+        for count in range(1, len(ids) + 1) if stops else ():
+            # The engine checks its stop strings over this request's own output, a token at a time.
+            text = self.tokenizer.decode(ids[:count])
+            matched = min((s for s in stops if s in text), key=text.find, default=None)
+            if matched is not None:
+                ids, finish = ids[:count], {"type": "stop", "matched": matched}
+                splits = [s for s in splits if s + 1 < count]
+                break
         return ids, finish, splits
 
     def _parse(
@@ -325,8 +335,11 @@ class SglangGeneration:
         finish reason (`tool_calls` once a call began in a stopped output), the reasoning tokens."""
         tok = self.tokenizer
         kwargs = body.get("chat_template_kwargs") or {}
-        text_ids = ids[:-1] if finish["type"] == "stop" else ids
-        text = tok.decode(text_ids)
+        if isinstance(finish.get("matched"), str):  # a stop string: its tokens are kept, its text cut
+            text = tok.decode(ids)
+            text = text[: text.find(finish["matched"])]
+        else:
+            text = tok.decode(ids[:-1] if finish["type"] == "stop" else ids)
         tool_active = bool(body.get("tools")) and body.get("tool_choice") != "none"
         tool_names = {str(f["name"]) for f in tool_functions(body.get("tools"))} if tool_active else None
         parsed = parse_output(
