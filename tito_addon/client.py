@@ -117,7 +117,8 @@ class AsyncTitoClient:
     async def info(self) -> dict[str, Any]:
         """What a driver checks before it runs agents (`GET /v1/info`): `version`, `session_api_key_prefix` (or
         None), `after_close`, `proxy_auth_password_required`, `backend_kind`, `model_family`, `tokenizer`, and
-        `generations_cut` (`resuming`, `resumed`, `cuts`: the process's generations a weight update cut)."""
+        `generations_cut` (`resuming`, `resumed`, `cuts`: the process's generations a weight update cut) and
+        `turns_in_flight` (`count`, `oldest_s`: its turns waiting on a backend, which a pause holds)."""
         payload, _ = await self._call("GET", "/info")
         return json.loads(payload)
 

@@ -206,8 +206,12 @@ def test_an_in_place_pause_holds_the_generation_and_nothing_is_resubmitted(proxy
     post(engine.url + "/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
     time.sleep(0.3)
     assert thread.is_alive()  # held, not answered, not timed out
-    post(engine.url + "/continue_generation")
-    thread.join(60)
+    with TitoClient(proxy.url, TOKEN) as tito:  # the driver sees the turn its pause holds, then sees it drain
+        held = tito.info()["turns_in_flight"]
+        assert held["count"] == 1 and held["oldest_s"] >= 0.3
+        post(engine.url + "/continue_generation")
+        thread.join(60)
+        assert tito.info()["turns_in_flight"] == {"count": 0, "oldest_s": None}
     assert "error" not in out, out.get("error")
     (turn,) = turns(proxy.record_dir, "in-place")
     (only,) = engine.backend.generated_copy()

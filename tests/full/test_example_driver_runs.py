@@ -44,7 +44,8 @@ def test_a_second_run_never_touches_the_first_runs_episodes(tmp_path: Path) -> N
         assert info == {"version": metadata.version("tito_addon"), "session_api_key_prefix": None,
                         "after_close": "refuse", "proxy_auth_password_required": False, "backend_kind": "sglang",
                         "model_family": "qwen3", "tokenizer": tokenizer_path("qwen3"),
-                        "generations_cut": {"resuming": 0, "resumed": 0, "cuts": 0}}  # fmt: skip
+                        "generations_cut": {"resuming": 0, "resumed": 0, "cuts": 0},
+                        "turns_in_flight": {"count": 0, "oldest_s": None}}  # fmt: skip
         records_before, generated = files_of(record_dir), len(replica.generated())
 
         started = time.monotonic()

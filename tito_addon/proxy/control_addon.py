@@ -59,6 +59,8 @@ def proxy_info(wiring: TurnWiring) -> dict[str, Any]:
         "tokenizer": (settings.tokenizer or None) if settings is not None else None,
         # Generations a weight update cut, in this process: resuming now (0 once an update has drained), resumed.
         "generations_cut": dataclasses.asdict(wiring.resume_stats),
+        # Turns waiting on a backend now (during a pause: those the paused engines hold), and the oldest's wait.
+        "turns_in_flight": wiring.in_flight.summary(),
     }
 
 

@@ -31,6 +31,7 @@ from tito_addon.sessions.redis_sessions import RedisSessions
 from tito_addon.sessions.session_space import SessionSpace
 from tito_addon.tito_errors import TitoError
 from tito_addon.turns.session_records import SessionRecords
+from tito_addon.turns.turn_run import TurnsInFlight
 from tito_addon.turns.turn_service import TurnService
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class TurnWiring:
         self.engine: TokenEngine | None = None
         self.service: TurnService | None = None
         self.resume_stats = ResumeStats()  # the process's, across reconfigurations
+        self.in_flight = TurnsInFlight()  # the same
         self.client = UpstreamClient()
         self.prefixes = EncodedPrefixes()
         self.memory = MemorySessions()
@@ -116,6 +118,7 @@ class TurnWiring:
             memo_bytes=settings.message_memo_mb * 1024 * 1024,
             warm_apis=self.service.apis if self.service is not None else (),
             after_close=settings.after_close,
+            in_flight=self.in_flight,
         )
         self.settings, self.engine = settings, engine
         tune_collector(settings.gc_threshold)

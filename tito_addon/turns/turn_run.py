@@ -7,7 +7,8 @@ outcome to the agent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -32,6 +33,26 @@ class LineContext:
 
 
 @dataclass
+class TurnsInFlight:
+    """This process's turns between their claim and its release, with when each began: during a weight update's
+    pause they are the turns the paused engines hold (the proxy cannot see inside an engine; a driver that paused it
+    can), and a driver sees the update drain as they end."""
+
+    began: dict[int, float] = field(default_factory=dict)
+
+    def add(self, run: TurnRun) -> None:
+        self.began[id(run)] = time.monotonic()
+
+    def discard(self, run: TurnRun) -> None:
+        self.began.pop(id(run), None)
+
+    def summary(self) -> dict[str, Any]:
+        """`{count, oldest_s}`: how many, and how long the oldest has waited (null when none)."""
+        oldest = min(self.began.values(), default=None)
+        return {"count": len(self.began), "oldest_s": None if oldest is None else round(time.monotonic() - oldest, 3)}
+
+
+@dataclass
 class TurnRun:
     prepared: PreparedTurn
     claim: Claim
@@ -41,6 +62,7 @@ class TurnRun:
     line: LineContext
     budget: dict | None = None  # the completion budget as cut to the backend's context, when it was
     released: bool = False
+    in_flight: TurnsInFlight | None = None  # the process's count this run is in until it is released
 
     def completed(self, result: BackendResult, session_id: str, turn_id: int) -> CompletedTurn:
         """The turn's record line for the backend's result, once the sessions settled its session and turn id."""
@@ -94,4 +116,6 @@ class TurnRun:
         """The turn is over, committed or not: its claim no longer holds its session in flight."""
         if not self.released:
             self.released = True
+            if self.in_flight is not None:
+                self.in_flight.discard(self)
             await self.sessions.release(self.claim)

@@ -39,7 +39,7 @@ from tito_addon.turns.episode_places import EpisodePlace, Follows, continuation_
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.session_records import SessionRecords
 from tito_addon.turns.turn_replies import error_reply
-from tito_addon.turns.turn_run import LineContext, TurnRun
+from tito_addon.turns.turn_run import LineContext, TurnRun, TurnsInFlight
 from tito_addon.turns.turn_types import ParsedRequest, PreparedTurn
 
 logger = logging.getLogger(__name__)
@@ -93,10 +93,12 @@ class TurnService:
         after_close: str = "refuse",
         memo_bytes: int = DEFAULT_BUDGET_BYTES,
         warm_apis: Sequence[AgentApi] = (),
+        in_flight: TurnsInFlight | None = None,
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
         request naming a session its driver closed gets: `refuse` (410) or a `new` tree."""
         self.record_message_text = record_message_text
+        self.in_flight = in_flight if in_flight is not None else TurnsInFlight()
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
         # has none, so nothing is ever signed with a guessable one.
         self.signer = signer if signer is not None else TurnSigner(secrets.token_bytes(32))
@@ -317,7 +319,9 @@ class TurnService:
             raise
         line = LineContext(self.engine, self.backend.kind, headers.get("x-request-id"), self.record_message_text)
         backend_turn = self.backend_turn(prepared, headers, base_url)
-        return TurnRun(prepared, claim, responder, backend_turn, self.sessions, line)
+        run = TurnRun(prepared, claim, responder, backend_turn, self.sessions, line, in_flight=self.in_flight)
+        self.in_flight.add(run)
+        return run
 
     async def fit(self, run: TurnRun) -> None:
         """Cut the turn's completion budget to what the backend's context leaves after the prompt (asked of the
