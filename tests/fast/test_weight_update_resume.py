@@ -57,16 +57,17 @@ def engine(vllm):
         post(vllm.url + "/resume")
 
 
-def ask(proxy: Mitmdump, session: str, *, stream: bool) -> tuple[str, list[int] | None]:
+def ask(proxy: Mitmdump, session: str, *, stream: bool, stop: list[str] | None = None) -> tuple[str, list[int] | None]:
     """One turn as the agent sees it: the answer's text (streamed: accumulated from the deltas)."""
     client = openai.OpenAI(
         base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0, timeout=60
     )
+    extra = {"stop": stop} if stop else {}
     if not stream:
-        reply = client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES)
+        reply = client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, **extra)
         return reply.choices[0].message.content or "", None
     text = []
-    with client.chat.completions.stream(model="tiny-qwen3", messages=MESSAGES) as events:
+    with client.chat.completions.stream(model="tiny-qwen3", messages=MESSAGES, **extra) as events:
         for event in events:
             if event.type == "content.delta":
                 text.append(event.delta)
@@ -241,3 +242,38 @@ def test_past_the_resumption_cap_the_agent_gets_an_error_and_nothing_is_recorded
     assert "tito_resume_max" in error.message
     assert turns(proxy.record_dir, "capped") == []
     assert len(engine.generated()) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_string_that_straddles_the_cut_ends_the_generation_there(proxy, engine, stream) -> None:
+    """Each generate request checks its stop strings over its own output, so one that began before the cut and ends
+    after it stops neither: the proxy finds it over the stitched ids and ends the generation where the uncut one
+    stops, whole or streamed (the streamed attempt is closed there, once its spans are read)."""
+    ask(proxy, f"plain-{stream}", stream=False)
+    (plain,) = turns(proxy.record_dir, f"plain-{stream}")
+    tok = engine.backend.tokenizer
+    ids, at = plain.completion_ids, 20
+    head = tok.decode(ids[: at - 3])
+    stop = tok.decode(ids[: at + 6])[len(head) :]  # around the cut, which falls at `at` or a token or two later
+    assert tok.decode(ids).find(stop) == len(head)
+    uncut_text, _ = ask(proxy, f"uncut-stop-{stream}", stream=stream, stop=[stop])
+    (uncut,) = turns(proxy.record_dir, f"uncut-stop-{stream}")
+    assert uncut.finish_reason == "stop" and len(uncut.completion_ids) < len(ids)
+    engine.backend.reset()
+
+    thread, out = during(ask, proxy, f"stop-{stream}", stream=stream, stop=[stop])
+    cut_mid_generation(engine, "abort", after_tokens=at)
+    thread.join(60)
+    assert "error" not in out, out.get("error")
+    assert out["value"][0] == uncut_text
+    (turn,) = turns(proxy.record_dir, f"stop-{stream}")
+    first = engine.generated()[0]
+    cut = len(first["completion_ids"])
+    assert at - 3 < cut < at + 6 and turn.resumed is not None and turn.resumed.cuts == [cut]
+    assert turn.completion_ids == uncut.completion_ids and turn.finish_reason == "stop"
+    assert turn.completion_logprobs == uncut.completion_logprobs
+    n = len(turn.completion_ids)
+    assert turn.weight_version_spans == [
+        {"version": "default", "start": 0, "end": cut},
+        {"version": "v2", "start": cut, "end": n},
+    ]

@@ -169,6 +169,29 @@ class StitchedGeneration:
                 low = middle + 1
         return low
 
+    def stop_within(
+        self, ids: list[int], stops: list[str], decode: Callable[[list[int]], str]
+    ) -> tuple[int, str] | None:
+        """For an attempt under way after a cut, whose tokens so far are `ids`: how many of them to keep, and the stop
+        string, when one that began before the cut ends among them (the engine checks only the attempt's own output).
+        Only a window of the tokens before the cut is decoded, wide enough for the longest stop string."""
+        stops = [s for s in stops if s]
+        if not stops or not self.ids or not ids:
+            return None
+        span = 4 * max(map(len, stops)) + 8  # tokens: more than any stop string's (a token is a byte or more)
+        window, ids = self.ids[-span:], ids[:span]  # one that began before the cut ends within `span` tokens of it
+        if not any(s in decode(window + ids) for s in stops):
+            return None
+        low, high = 1, len(ids)  # the fewest of the attempt's tokens whose text, after the window's, holds a stop
+        while low < high:
+            middle = (low + high) // 2
+            if any(s in decode(window + ids[:middle]) for s in stops):
+                high = middle
+            else:
+                low = middle + 1
+        text = decode(window + ids[:low])
+        return low, min((s for s in stops if s in text), key=text.find)
+
     def truncate(self, count: int) -> None:
         """Keep the first `count` tokens (a stop string ended there): later attempts' tokens past it are dropped."""
         kept = 0

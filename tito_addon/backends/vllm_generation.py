@@ -80,11 +80,17 @@ class VllmGeneration:
             attempt_request = resumed_request(request, stitched)
             finish = "length"  # unless another attempt runs: the budget was spent before the cut
         assert first is not None
-        stop_at = stitched.stop_cut(stop_strings(request), turn.output_text) if turn.output_text else None
-        if stop_at is not None:
+        stops = stop_strings(request)
+        stop_at = stitched.stop_cut(stops, turn.output_text) if turn.output_text else None
+        stop_reason: str | None = None
+        if stop_at is not None and turn.output_text is not None:
             stitched.truncate(stop_at)
-            finish = "stop"
-        return stitched_response(first, generated, stitched, finish, turn.prompt_ids)
+            finish, text = "stop", turn.output_text(stitched.ids)
+            stop_reason = min((s for s in stops if s and s in text), key=text.find)
+        response = stitched_response(first, generated, stitched, finish, turn.prompt_ids)
+        if stop_reason is not None:
+            response["choices"][0]["stop_reason"] = stop_reason
+        return response
 
     async def events(
         self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
@@ -96,12 +102,14 @@ class VllmGeneration:
         attempt_request: dict[str, Any] | None = request
         last: dict[str, Any] = {}
         finished = False
+        stops = stop_strings(request) if turn.output_text is not None else []
         try:
             while attempt_request is not None:
                 expected = stitched.attempt_prompt()
                 ids: list[int] = []
                 spans: Any = None
                 aborted = False
+                stopped: tuple[int, str] | None = None  # a stop string straddling the cut ended the generation
                 events = self.client.sse_events(url, attempt_request, turn.headers)
                 try:
                     async for event in events:
@@ -113,14 +121,29 @@ class VllmGeneration:
                             event = {**event, "prompt_token_ids": None}  # checked here, against this attempt's prompt
                         choice = (event.get("choices") or [None])[0]
                         if not isinstance(choice, dict):
-                            yield event
+                            if stopped is None:
+                                yield event
                             continue
-                        ids += choice.get("token_ids") or []
+                        delta = choice.get("token_ids") or []
+                        ids += delta
                         finish = choice.get("finish_reason")
+                        if stopped is None and stops and delta and stitched.resumed:
+                            assert turn.output_text is not None
+                            stopped = stitched.stop_within(ids, stops, turn.output_text)
+                            if stopped is not None:  # this chunk's tokens up to the stop go on; the rest never do
+                                yield cut_chunk(event, choice, len(delta) - (len(ids) - stopped[0]))
                         if finish is None:
-                            yield event
+                            if stopped is None:
+                                yield event
                             continue
                         spans = attempt_spans(choice.get("weight_versions"), len(ids))
+                        if stopped is not None:  # the attempt's end, read for its spans: the generation ends there
+                            stitched.add(Attempt(ids, [], spans))
+                            stitched.truncate(len(stitched.ids) - len(ids) + stopped[0])
+                            final = {"index": 0, "finish_reason": "stop", "stop_reason": stopped[1], "token_ids": [],
+                                     "logprobs": {"content": []}, "weight_versions": stitched.spans()}  # fmt: skip
+                            yield {**event, "usage": None, "prompt_token_ids": None, "choices": [final]}
+                            break
                         if finish == ABORT:
                             aborted = True
                             if choice.get("token_ids"):
@@ -145,6 +168,14 @@ class VllmGeneration:
             finished = True
         finally:
             stitched.end(finished)
+
+
+def cut_chunk(event: dict[str, Any], choice: dict[str, Any], keep: int) -> dict[str, Any]:
+    """A generate chunk cut to its first `keep` tokens (a stop string ends there), without a finish."""
+    entries = ((choice.get("logprobs") or {}).get("content") or [])[:keep]
+    part = {**choice, "token_ids": (choice.get("token_ids") or [])[:keep], "logprobs": {"content": entries},
+            "finish_reason": None, "stop_reason": None, "weight_versions": None}  # fmt: skip
+    return {**event, "usage": None, "choices": [part]}
 
 
 def resumed_request(request: dict[str, Any], stitched: StitchedGeneration) -> dict[str, Any] | None:

@@ -73,9 +73,17 @@ class GenerateEndpoint(VllmEndpoint):
             offset = 0
         root = prompt_ids[: len(prompt_ids) - offset]
         plan = prompt_ids[len(root) :] + out
-        finish = "stop"
+        finish, stop_reason = "stop", None
         if len(out) > limit:
             out, finish = out[:limit], "length"
+        stops = sp.get("stop")
+        stops = [stops] if isinstance(stops, str) else [s for s in stops or [] if isinstance(s, str) and s]
+        for count in range(1, len(out) + 1) if stops else ():
+            text = tok.decode(out[:count])  # the engine checks its stop strings over this request's own output
+            matched = min((s for s in stops if s in text), key=text.find, default=None)
+            if matched is not None:
+                out, finish, stop_reason = out[:count], "stop", matched
+                break
         rid = request.headers.get("X-Request-Id") or (
             body["request_id"] if isinstance(body.get("request_id"), str) and body["request_id"] else self._random_id()
         )
@@ -85,6 +93,7 @@ class GenerateEndpoint(VllmEndpoint):
             "ids": out,
             "logprobs": [logprob(offset + i, t) for i, t in enumerate(out)],
             "finish": finish,
+            "stop_reason": stop_reason,
             "root": root,
             "plan": plan,
             "labels": [],
@@ -163,7 +172,7 @@ class GenerateEndpoint(VllmEndpoint):
         choice = {
             "index": 0,
             "finish_reason": gen["finish"],
-            "stop_reason": None,
+            "stop_reason": gen.get("stop_reason") if gen["finish"] == "stop" else None,
             "token_ids": self._ids_with_fault(ids, fault),
             "routed_experts": None,
             "sampling_mask": None,
@@ -242,7 +251,7 @@ class GenerateEndpoint(VllmEndpoint):
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": gen["finish"] if final else None,
-            "stop_reason": None,
+            "stop_reason": gen.get("stop_reason") if final and gen["finish"] == "stop" else None,
             "token_ids": self._ids_with_fault(ids[i : i + 1], fault),
             "routed_experts": None,
             "sampling_mask": None,
