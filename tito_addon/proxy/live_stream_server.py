@@ -61,7 +61,8 @@ class LiveStreamServer:
                 app.router.add_post(PATH_PREFIX + "{token}", self._serve)
                 runner = web.AppRunner(app, access_log=None, handle_signals=False)
                 await runner.setup()
-                await web.TCPSite(runner, "127.0.0.1", 0).start()
+                # Every streamed turn in flight connects here at once: aiohttp's backlog of 128 would drop some.
+                await web.TCPSite(runner, "127.0.0.1", 0, backlog=2048).start()
                 self._runner, self.port = runner, int(runner.addresses[0][1])
         return self.port
 

@@ -33,7 +33,9 @@ class ServedApp:
         self._stopping = asyncio.Event()
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        # uvicorn's default backlog, which sglang and vLLM serve with: aiohttp's 128 overflows when a thousand agents'
+        # turns open their connections at once, and a connection the kernel drops there is reset on its first byte.
+        site = web.TCPSite(self._runner, host, port, backlog=2048)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         return self.port
