@@ -406,8 +406,9 @@ def trainer_update(vllm_url: str, mode: str, version: str) -> None:
 
 def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url, tmp_path: Path) -> None:
     """`/pause?mode=abort` mid-generation: vLLM ends the generation with `finish_reason: "abort"` and its partial
-    ids; the proxy resubmits prompt + partial and the agent's stream runs on. `mode=keep` holds it: one request, the
-    spans split where the label changed. Each turn's record is exactly what vLLM generated, across attempts."""
+    ids; the proxy resubmits prompt + partial and the agent's answer, streamed or whole, runs on. `mode=keep` holds
+    it: one request, the spans split where the label changed. Each turn's record is exactly what vLLM generated,
+    across attempts."""
     import threading
 
     record_dir = tmp_path / "rec"
@@ -449,9 +450,34 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
         trainer_update(vllm_url, "keep", "v3")
         second.join(300)
         assert held["reply"].choices[0].finish_reason == "length"
+        # 3. A whole turn, cut by an abort.
+        cut_whole: dict = {}
+        third = threading.Thread(
+            target=lambda: cut_whole.update(reply=client.chat.completions.create(**{**long, "seed": 5}))
+        )
+        before = len(tap.of("/inference/v1/generate"))
+        third.start()
+        generating(tap, before)
+        trainer_update(vllm_url, "abort", "v4")
+        third.join(300)
+        assert cut_whole["reply"].choices[0].finish_reason == "length"
+        # 4. A streamed turn, held by a keep pause.
+        kept_stream: list[str] = []
+        fourth = threading.Thread(
+            target=lambda: kept_stream.extend(
+                c.choices[0].finish_reason or "" for c in client.chat.completions.create(
+                    **{**long, "seed": 6}, stream=True) if c.choices
+            )
+        )  # fmt: skip
+        before = len(tap.of("/inference/v1/generate"))
+        fourth.start()
+        generating(tap, before)
+        trainer_update(vllm_url, "keep", "v5")
+        fourth.join(300)
+        assert kept_stream[-1] == "length"
 
     recorded = read_session_file(record_dir / "update.jsonl")
-    first, kept = recorded.turns[1], recorded.turns[-1]
+    first, kept, whole_cut, stream_kept = recorded.turns[1:5]
     ids = recorded.full_ids()
     generates = tap.of("/inference/v1/generate")[1:]
     # The streamed turn: two engine requests, the second on the first's prompt and its partial output, exactly.
@@ -474,8 +500,24 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
         {"version": "v2", "start": len(partial), "end": TOKENS},
     ]
     # The kept turn: one request, its spans split where the label changed.
-    assert len(generates) == 3 and kept.resumed is None
+    assert len(generates) == 6 and kept.resumed is None
     kept_ids = generates[2]["response"]["choices"][0]["token_ids"]
     assert ids[kept.turn_id][1] == kept_ids and len(kept_ids) == TOKENS
     assert [s["version"] for s in kept.weight_version_spans] == ["v2", "v3"]
+    # The whole turn cut by an abort: the same chain of two requests, answered as one.
+    cut3, rest3 = generates[3]["response"]["choices"][0], generates[4]["response"]["choices"][0]
+    assert cut3["finish_reason"] == "abort" and 0 < len(cut3["token_ids"]) < TOKENS
+    prompt3, completion3 = ids[whole_cut.turn_id]
+    assert generates[4]["request"]["token_ids"] == prompt3 + cut3["token_ids"]
+    assert completion3 == cut3["token_ids"] + rest3["token_ids"] and len(completion3) == TOKENS
+    assert whole_cut.completion_logprobs == [x["logprob"] for c in (cut3, rest3) for x in c["logprobs"]["content"]]
+    assert whole_cut.resumed is not None and whole_cut.resumed.cuts == [len(cut3["token_ids"])]
+    assert whole_cut.weight_version_spans == [
+        {"version": "v3", "start": 0, "end": len(cut3["token_ids"])},
+        {"version": "v4", "start": len(cut3["token_ids"]), "end": TOKENS},
+    ]
+    # The streamed turn held by a keep pause: one request, its spans split.
+    streamed_ids = [i for e in generate_events(generates[5]) if e.get("choices") for i in e["choices"][0]["token_ids"]]
+    assert ids[stream_kept.turn_id][1] == streamed_ids and len(streamed_ids) == TOKENS
+    assert stream_kept.resumed is None and [s["version"] for s in stream_kept.weight_version_spans] == ["v4", "v5"]
     print(f"\ncut after {len(partial)} of {TOKENS} tokens; kept turn spans {kept.weight_version_spans}")
