@@ -150,12 +150,15 @@ def test_each_api_names_a_closed_episode_in_its_own_error_shape(closed: Mitmdump
         ("/v1beta/models/m:generateContent", {"x-goog-api-key": key()}, gemini_body,
          {"status": "FAILED_PRECONDITION", "code": 410}),
     ]  # fmt: skip
+    before = len(answered(closed))
     for path, headers, payload, shape in cases:
         reply = post(closed.url + path, json=payload, headers=headers)
         status = 400 if path == "/v1/responses" else 410  # Codex retries every final status but a 400
         assert reply.status_code == status and reply.headers["x-should-retry"] == "false", (path, reply.headers)
         error = reply.json()["error"]
         assert {k: error[k] for k in shape} == shape and REASON in error["message"], (path, error)
+    # The log lags the answers: the next test's baseline must not see these arrive after it was taken.
+    assert requests_seen(closed, before, at_least=len(cases)) == ["410", "400", "410", "410"]
 
 
 def test_a_bad_request_is_final_too(closed: Mitmdump, replica) -> None:
@@ -169,6 +172,7 @@ def test_a_bad_request_is_final_too(closed: Mitmdump, replica) -> None:
     twice = [("x-session-id", "a"), ("x-session-id", "b")]
     reply = _raw_post(closed.port, "/v1/chat/completions", twice, b'{"model": "m", "messages": []}')
     assert reply[0] == 400 and reply[1].get("x-should-retry") == "false", reply
+    assert requests_seen(closed, before + 1) == ["400"]  # its log line too, before a later test's baseline
 
 
 def _raw_post(port: int | None, path: str, headers: list[tuple[str, str]], body: bytes) -> tuple[int, dict, bytes]:
