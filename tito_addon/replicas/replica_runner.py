@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import Any, Self
+from collections.abc import Coroutine
+from typing import Any, Self, TypeVar
 
 from aiohttp import web
+
+T = TypeVar("T")
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -125,6 +128,14 @@ class BackendThread:
         thread.join(timeout=30)
         self._thread = None
         self._loop = None
+
+    def on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the replica's own loop and wait for it: what a test does to the engine when its HTTP
+        routes are out of reach (a replica in another network namespace)."""
+        if self._loop is None:
+            coroutine.close()
+            raise RuntimeError("replica not started")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=120)
 
     def received(self) -> list[dict[str, Any]]:
         return self.backend.received_copy()
