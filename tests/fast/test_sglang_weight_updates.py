@@ -294,7 +294,7 @@ def test_an_abort_with_an_error_status_is_the_servers_error_and_is_not_resumed(p
 
 
 def test_an_agent_that_leaves_during_the_pause_is_neither_resumed_nor_recorded(proxy, engine) -> None:
-    thread, out = during(ask, proxy, "left", stream=False, timeout=1.5)
+    thread, out = during(ask, proxy, "left", stream=False, timeout=3)
     sampled(engine, 12)
     assert post(engine.url + "/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"
     thread.join(30)  # the agent's client gives up while its resubmitted generation waits for the resume
