@@ -153,21 +153,13 @@ class StitchedGeneration:
             return None
         return {"attempts": len(self.attempts), "cuts": list(self.cuts)}
 
-    def stop_cut(self, stops: list[str], decode: Callable[[list[int]], str]) -> int | None:
-        """Where a stop string that straddles a cut ends, in tokens: each engine request checked its stop strings over
-        its own output only, so one that began before a cut and ended after it went unseen. None when none did."""
-        if not stops or not self.cuts:
+    def stop_cut(self, stops: list[str], decode: Callable[[list[int]], str]) -> tuple[int, str] | None:
+        """Where a stop string that straddles a cut ends, in tokens, and which: each engine request checked its stop
+        strings over its own output only, so one that began before a cut and ended after it went unseen. None when
+        none did."""
+        if not self.cuts:
             return None
-        if not any(s and s in decode(self.ids) for s in stops):
-            return None
-        low, high = 1, len(self.ids)  # the fewest tokens whose text holds a stop string
-        while low < high:
-            middle = (low + high) // 2
-            if any(s and s in decode(self.ids[:middle]) for s in stops):
-                high = middle
-            else:
-                low = middle + 1
-        return low
+        return _fewest_holding(self.ids, [], [s for s in stops if s], decode)
 
     def stop_within(
         self, ids: list[int], stops: list[str], decode: Callable[[list[int]], str]
@@ -176,21 +168,11 @@ class StitchedGeneration:
         string, when one that began before the cut ends among them (the engine checks only the attempt's own output).
         Only a window of the tokens before the cut is decoded, wide enough for the longest stop string."""
         stops = [s for s in stops if s]
-        if not stops or not self.ids or not ids:
+        if not stops or not self.ids:
             return None
         span = 4 * max(map(len, stops)) + 8  # tokens: more than any stop string's (a token is a byte or more)
-        window, ids = self.ids[-span:], ids[:span]  # one that began before the cut ends within `span` tokens of it
-        if not any(s in decode(window + ids) for s in stops):
-            return None
-        low, high = 1, len(ids)  # the fewest of the attempt's tokens whose text, after the window's, holds a stop
-        while low < high:
-            middle = (low + high) // 2
-            if any(s in decode(window + ids[:middle]) for s in stops):
-                high = middle
-            else:
-                low = middle + 1
-        text = decode(window + ids[:low])
-        return low, min((s for s in stops if s in text), key=text.find)
+        # One that began before the cut ends within `span` tokens of it.
+        return _fewest_holding(ids[:span], self.ids[-span:], stops, decode)
 
     def truncate(self, count: int) -> None:
         """Keep the first `count` tokens (a stop string ended there): later attempts' tokens past it are dropped."""
@@ -226,6 +208,37 @@ def attempt_spans(value: Any, count: int) -> list[dict[str, Any]] | None:
     if any(a["end"] != b["start"] for a, b in zip(spans, spans[1:], strict=False)):
         return None
     return spans
+
+
+def stop_list(value: Any) -> list[str]:
+    """A request's `stop` (a string or a list of them) as a list of its non-empty strings."""
+    if isinstance(value, str):
+        return [value] if value else []
+    return [s for s in value if isinstance(s, str) and s] if isinstance(value, list) else []
+
+
+def first_stop(text: str, stops: list[str]) -> str | None:
+    """The stop string that occurs first in `text`, if any does."""
+    return min((s for s in stops if s in text), key=text.find, default=None)
+
+
+def _fewest_holding(
+    ids: list[int], before: list[int], stops: list[str], decode: Callable[[list[int]], str]
+) -> tuple[int, str] | None:
+    """The fewest of `ids` whose text, after `before`'s, holds a stop string, and that string; None when all of them
+    hold none. A binary search: the text only grows with the tokens."""
+    if not stops or not ids or first_stop(decode(before + ids), stops) is None:
+        return None
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if first_stop(decode(before + ids[:middle]), stops) is not None:
+            high = middle
+        else:
+            low = middle + 1
+    found = first_stop(decode(before + ids[:low]), stops)
+    assert found is not None
+    return low, found
 
 
 def recorded_spans(spans: list[dict[str, Any]] | None) -> tuple[str | None, list[dict[str, Any]] | None]:

@@ -90,13 +90,6 @@ def attempt_pieces(turn: BackendTurn, stitched: StitchedGeneration) -> JsonPiece
     return extended(tuple(turn.prompt.json_pieces), stitched.ids)
 
 
-def chat_stops(chat_body: dict[str, Any]) -> list[str]:
-    stop = chat_body.get("stop")
-    if isinstance(stop, str):
-        return [stop]
-    return [s for s in stop if isinstance(s, str) and s] if isinstance(stop, list) else []
-
-
 def rest_of_message(sent: dict[str, Any], whole: dict[str, Any], stopped: bool = False) -> list[dict[str, Any]]:
     """The deltas that take a streamed agent from the message it has (`sent`: the attempt before the cut) to the whole
     one; the whole message's calls keep the ids the agent already has. Where the whole parse contradicts what was

@@ -42,12 +42,12 @@ from tito_addon.backends.resumed_generation import (
     ResumeStats,
     StitchedGeneration,
     recorded_spans,
+    stop_list,
 )
 from tito_addon.backends.server_facts import ServerFacts, ask_served_models
 from tito_addon.backends.sglang_attempts import (
     ChatAttempt,
     attempt_pieces,
-    chat_stops,
     check_counted,
     checked_attempt,
     metadata_weight_version,
@@ -314,19 +314,17 @@ class SglangBackend:
             stop = matched
         elif type(matched) is int and stitched.ids and stitched.ids[-1] == matched:
             drop_last = True
-        stops = chat_stops(turn.chat_body)
-        at = stitched.stop_cut(stops, turn.output_text) if turn.output_text is not None else None
-        if at is not None and turn.output_text is not None:
-            stitched.truncate(at)
-            text = turn.output_text(stitched.ids)
-            stop = min((s for s in stops if s in text), key=text.find)
-            finish, drop_last = "stop", False
+        stops = stop_list(turn.chat_body.get("stop"))
+        straddling = stitched.stop_cut(stops, turn.output_text) if turn.output_text is not None else None
+        if straddling is not None:
+            stitched.truncate(straddling[0])
+            stop, finish, drop_last = straddling[1], "stop", False
         tail = turn.output_text(turn.prompt_ids[-4:]) if turn.output_text is not None else ""
         server = await self.servers.get(turn.base_url, turn.headers)
         parser = CompletionParser(self.client, turn.base_url, turn.headers, server)
         message, final = await parser.message(StitchedText(stitched.ids, stop, drop_last), turn.chat_body, tail, finish)
         checked_message(message)
-        return message, final or finish, at is not None
+        return message, final or finish, straddling is not None
 
     def stitched_result(
         self,

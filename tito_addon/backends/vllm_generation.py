@@ -22,6 +22,7 @@ from tito_addon.backends.resumed_generation import (
     StitchedGeneration,
     attempt_spans,
     fresh_request_id,
+    stop_list,
 )
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.tito_errors import UpstreamMalformed
@@ -80,16 +81,13 @@ class VllmGeneration:
             attempt_request = resumed_request(request, stitched)
             finish = "length"  # unless another attempt runs: the budget was spent before the cut
         assert first is not None
-        stops = stop_strings(request)
-        stop_at = stitched.stop_cut(stops, turn.output_text) if turn.output_text else None
-        stop_reason: str | None = None
-        if stop_at is not None and turn.output_text is not None:
-            stitched.truncate(stop_at)
-            finish, text = "stop", turn.output_text(stitched.ids)
-            stop_reason = min((s for s in stops if s and s in text), key=text.find)
+        stopped = stitched.stop_cut(stop_strings(request), turn.output_text) if turn.output_text else None
+        if stopped is not None:
+            stitched.truncate(stopped[0])
+            finish = "stop"
         response = stitched_response(first, generated, stitched, finish, turn.prompt_ids)
-        if stop_reason is not None:
-            response["choices"][0]["stop_reason"] = stop_reason
+        if stopped is not None:
+            response["choices"][0]["stop_reason"] = stopped[1]
         return response
 
     async def events(
@@ -253,10 +251,7 @@ def first_choice(generated: dict[str, Any]) -> dict[str, Any]:
 
 
 def stop_strings(request: dict[str, Any]) -> list[str]:
-    stop = (request.get("sampling_params") or {}).get("stop")
-    if isinstance(stop, str):
-        return [stop]
-    return [s for s in stop if isinstance(s, str)] if isinstance(stop, list) else []
+    return stop_list((request.get("sampling_params") or {}).get("stop"))
 
 
 def checked_stream_choice(choice: dict[str, Any]) -> list[Any]:
