@@ -62,6 +62,18 @@ class ReplicaTokenizer:
                 self.tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
             )
 
+    def stop_in(self, ids: list[int], stop: Any) -> tuple[int, str] | None:
+        """Where an engine stops on a request's `stop` (a string or a list): the fewest of the output `ids` whose text
+        holds one, and the first found; the engine checks a token at a time, over this request's own output."""
+        stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
+        stops = [s for s in stops if s]
+        for count in range(1, len(ids) + 1) if stops else ():
+            text = self.decode(ids[:count])
+            matched = min((s for s in stops if s in text), key=text.find, default=None)
+            if matched is not None:
+                return count, matched
+        return None
+
     def token_texts(self, ids: list[int]) -> list[str]:
         """Per-token text, as sglang's ``return_text_in_logprobs`` gives it."""
         with self.lock:

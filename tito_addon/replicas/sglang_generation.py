@@ -316,16 +316,11 @@ class SglangGeneration:
             ids = ids[:limit]
             splits = [s for s in splits if s + 1 < limit]
             finish = {"type": "length", "length": limit}
-        stops = body.get("stop")
-        stops = [stops] if isinstance(stops, str) else [s for s in stops or [] if isinstance(s, str) and s]
-        for count in range(1, len(ids) + 1) if stops else ():
-            # The engine checks its stop strings over this request's own output, a token at a time.
-            text = self.tokenizer.decode(ids[:count])
-            matched = min((s for s in stops if s in text), key=text.find, default=None)
-            if matched is not None:
-                ids, finish = ids[:count], {"type": "stop", "matched": matched}
-                splits = [s for s in splits if s + 1 < count]
-                break
+        stopped = self.tokenizer.stop_in(ids, body.get("stop"))
+        if stopped is not None:
+            count, matched = stopped
+            ids, finish = ids[:count], {"type": "stop", "matched": matched}
+            splits = [s for s in splits if s + 1 < count]
         return ids, finish, splits
 
     def _parse(

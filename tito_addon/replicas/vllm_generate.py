@@ -76,14 +76,9 @@ class GenerateEndpoint(VllmEndpoint):
         finish, stop_reason = "stop", None
         if len(out) > limit:
             out, finish = out[:limit], "length"
-        stops = sp.get("stop")
-        stops = [stops] if isinstance(stops, str) else [s for s in stops or [] if isinstance(s, str) and s]
-        for count in range(1, len(out) + 1) if stops else ():
-            text = tok.decode(out[:count])  # the engine checks its stop strings over this request's own output
-            matched = min((s for s in stops if s in text), key=text.find, default=None)
-            if matched is not None:
-                out, finish, stop_reason = out[:count], "stop", matched
-                break
+        stopped = tok.stop_in(out, sp.get("stop"))
+        if stopped is not None:
+            out, finish, stop_reason = out[: stopped[0]], "stop", stopped[1]
         rid = request.headers.get("X-Request-Id") or (
             body["request_id"] if isinstance(body.get("request_id"), str) and body["request_id"] else self._random_id()
         )
