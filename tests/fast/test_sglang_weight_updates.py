@@ -12,7 +12,6 @@ generation gives, whole or streamed, and the record holds both attempts' ids, lo
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
 from support.tito_commands import redrive, replay_proxy
+from support.weight_updates import during, turns
 
 from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import read_session
@@ -107,21 +107,6 @@ def answer_of(message: dict) -> dict:
             "finish_reason": message["finish_reason"]}  # fmt: skip
 
 
-def during(fn, *args, **kwargs):
-    """Run the agent's turn in a thread; the caller acts as the trainer meanwhile."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller
-            out["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
-
-
 def sampled(engine, tokens: int, rid: str | None = None) -> str:
     """Once a generation (the one named `rid`, else any) has sampled `tokens`: its rid."""
     deadline = time.monotonic() + 20
@@ -131,11 +116,6 @@ def sampled(engine, tokens: int, rid: str | None = None) -> str:
                 return generation.rid
         assert time.monotonic() < deadline, "no generation got that far"
         time.sleep(0.005)
-
-
-def turns(record_dir: Path, session: str) -> list:
-    found = read_session(record_dir, session)
-    return found.turns if found is not None else []
 
 
 def cut_by(engine, how: str, after_tokens: int) -> None:

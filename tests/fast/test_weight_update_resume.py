@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,9 +20,9 @@ import openai
 import pytest
 from support.basics import tokenizer_path
 from support.proxy_harness import REPO, Mitmdump, post
+from support.weight_updates import during, turns
 
 from tito_addon.client import TitoClient
-from tito_addon.records.record_reader import read_session
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 MESSAGES = [{"role": "user", "content": "Tell me about Paris."}]
@@ -100,26 +99,6 @@ def generations_cut(proxy: Mitmdump, resuming: int | None = None) -> dict:
             if resuming is None or counts["resuming"] == resuming or time.monotonic() > deadline:
                 return counts
             time.sleep(0.02)
-
-
-def during(fn, *args, **kwargs):
-    """Run the agent's turn in a thread; the caller acts as the trainer meanwhile."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # handed to the caller
-            out["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
-
-
-def turns(record_dir: Path, session: str) -> list:
-    found = read_session(record_dir, session)
-    return found.turns if found is not None else []
 
 
 def export(record_dir: Path, session: str, layout: str, tmp_path: Path, *extra: str) -> list[dict]:
