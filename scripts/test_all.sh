@@ -34,8 +34,10 @@ for env in vllm trainers; do
         failed+=("setup-$env")
     fi
 done
-"$PY" -m pytest -m 'serial and not e2e and not trainers' "${COMMON[@]}" --junitxml="$REPORTS/serial.xml" \
-    || failed+=(serial)
+# The serial tier starts each mitmdump from scratch, as a user's shell does; the others fork them from a warmed
+# interpreter (tests/conftest.py, `tito_addon/replicas/mitmdump_forks.py`).
+TITO_MITMDUMP_FORKS=0 "$PY" -m pytest -m 'serial and not e2e and not trainers' "${COMMON[@]}" \
+    --junitxml="$REPORTS/serial.xml" || failed+=(serial)
 "$PY" -m pytest -m e2e "${COMMON[@]}" --junitxml="$REPORTS/e2e.xml" || failed+=(e2e)
 "$PY" -m pytest -m trainers "${COMMON[@]}" --junitxml="$REPORTS/trainers.xml" || failed+=(trainers)
 "$PY" scripts/test_totals.py "$REPORTS"/parallel.xml "$REPORTS"/serial.xml "$REPORTS"/e2e.xml \

@@ -68,6 +68,22 @@ def qwen25_engine():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def mitmdump_forks():
+    """Each mitmdump a test starts is forked from one warmed interpreter per pytest process (half of a start is
+    importing mitmproxy and transformers); `TITO_MITMDUMP_FORKS=0` starts each from scratch (the serial tier does)."""
+    from tito_addon.replicas.mitmdump_forks import ForkServer
+    from tito_addon.replicas.proxy_process import Mitmdump
+
+    if os.environ.get("TITO_MITMDUMP_FORKS", "1") == "0":
+        yield None
+        return
+    Mitmdump.forks = forks = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"}).start()
+    yield forks
+    Mitmdump.forks = None
+    forks.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_credentials_in_any_recording_or_log():
     """Across every test: no Authorization header value or API key in any mitmdump log or file a proxy recorded."""
     yield

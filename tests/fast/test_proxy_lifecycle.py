@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -105,3 +107,66 @@ def test_the_proxy_starts_in_a_shell_without_pythonunbuffered(replica, tmp_path:
         assert proxy.port is not None and proxy.proc is not None and proxy.proc.poll() is None
     finally:
         proxy.stop()
+
+
+def lines_without_clock(path: Path) -> list[dict]:
+    """A record's lines less what differs between two runs of the same turns: the clock and the tool-call ids the
+    proxy draws at random."""
+    text = re.sub(r"call_[0-9a-f]{24}", "call_X", path.read_text())
+    return [{k: v for k, v in json.loads(line).items() if k != "ts"} for line in text.splitlines()]
+
+
+def test_a_forked_mitmdump_records_and_exits_as_one_started_from_scratch(replica, tmp_path: Path, monkeypatch) -> None:
+    """The harness forks most mitmdumps from a warmed interpreter (`mitmdump_forks`): the same turns must give the same
+    record lines, the same addon log and the same exits as a mitmdump the shell starts."""
+    from tito_addon.replicas.mitmdump_forks import ForkedProcess
+
+    assert Mitmdump.forks is not None, "the test session forks its mitmdumps"
+    runs = {}
+    for how in ("forked", "fresh"):
+        if how == "fresh":
+            monkeypatch.setattr(Mitmdump, "forks", None)
+        replica.backend.reset()
+        record_dir = tmp_path / how
+        with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path) as proxy:
+            assert isinstance(proxy.proc, ForkedProcess) == (how == "forked")
+            run_agent(agent(proxy, "same"), 3)
+        assert proxy.proc is not None and proxy.proc.returncode == 0
+        addon_log = [line.split("] ", 1)[-1].replace(str(record_dir), "REC") for line in proxy.output().splitlines()]
+        runs[how] = (lines_without_clock(record_dir / "same.jsonl"), [line for line in addon_log if "tito" in line])
+    assert runs["forked"] == runs["fresh"]
+    records, log = runs["forked"]
+    assert len(records) == 4 and records[-1]["reason"] == "shutdown" and any("recording to REC" in line for line in log)
+    killed = Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "k", cwd=tmp_path)
+    monkeypatch.undo()
+    with killed:
+        assert isinstance(killed.proc, ForkedProcess)
+        assert killed.kill() == -9
+
+
+def test_the_fork_servers_children_die_with_it_and_later_starts_are_fresh(replica, tmp_path: Path, monkeypatch) -> None:
+    from tito_addon.replicas.mitmdump_forks import ForkedProcess, ForkServer
+
+    forks = ForkServer({**os.environ, "PYTHONUNBUFFERED": "1"})
+    monkeypatch.setattr(Mitmdump, "forks", forks)
+    try:
+        with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "a", cwd=tmp_path) as a:
+            assert isinstance(a.proc, ForkedProcess)
+            assert forks._server is not None
+            forks._server.kill()
+            assert a.proc.wait(timeout=10) == -9
+            # the child itself is gone, not only reported so: it dies with its server
+            assert wait_until(lambda: not Path(f"/proc/{a.proc.pid}").exists() or "Z" in status_of(a.proc.pid))
+        with Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "b", cwd=tmp_path) as b:
+            assert not isinstance(b.proc, ForkedProcess)
+            run_agent(agent(b, "after"), 1)
+        assert (tmp_path / "b" / "after.jsonl").is_file()
+    finally:
+        forks.close()
+
+
+def status_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1]
+    except (FileNotFoundError, IndexError):
+        return "Z"

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+from tito_addon.replicas.mitmdump_forks import ForkedProcess, ForkServer, ForkServerGone
+
 REPO = Path(__file__).resolve().parents[2]
 LISTEN = re.compile(r"listening at (?:\S+? )?\[?127\.0\.0\.1\]?:(\d+)")
 
@@ -23,6 +25,9 @@ class Mitmdump:
 
     #: Every instance made in this process, so a test session can audit all their logs and recordings at the end.
     instances: ClassVar[list[Mitmdump]] = []
+    #: Where a harness that starts many of them has them forked from one warmed interpreter (`mitmdump_forks`); each
+    #: start it cannot serve (another environment, a launcher, `python -m`) is a plain subprocess.
+    forks: ClassVar[ForkServer | None] = None
 
     def __init__(
         self,
@@ -71,12 +76,20 @@ class Mitmdump:
         Mitmdump.instances.append(self)
         self.lines: list[str] = []
         self.port: int | None = None
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[str] | ForkedProcess | None = None
 
     def start(self, timeout: float = 90.0) -> Mitmdump:
-        self.proc = subprocess.Popen(
-            self.argv, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        self.proc = None
+        forks = Mitmdump.forks
+        if forks is not None and forks.serves(self.argv, self.env):
+            try:
+                self.proc = forks.spawn(self.argv, self.cwd, self.env)
+            except ForkServerGone:
+                self.proc = None
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
         found = threading.Event()
 
         def drain() -> None:
@@ -102,6 +115,12 @@ class Mitmdump:
 
     def run_to_exit(self, timeout: float = 90.0) -> tuple[int, str]:
         """For a configuration that must be refused: wait for the process to exit on its own."""
+        forks = Mitmdump.forks
+        if forks is not None and forks.serves(self.argv, self.env):
+            try:
+                return forks.run_to_exit(self.argv, self.cwd, self.env, timeout)
+            except ForkServerGone:
+                pass
         result = subprocess.run(
             self.argv,
             cwd=self.cwd,
