@@ -12,7 +12,8 @@ from aiohttp import web
 
 
 class UpstreamTap:
-    """Forwards every request to `target` unchanged and keeps (method, path, request JSON, status, response JSON)."""
+    """Forwards every request to `target` unchanged and keeps (method, path, request JSON and headers, status, response
+    JSON)."""
 
     def __init__(self, target: str) -> None:
         self.target = target.rstrip("/")
@@ -32,6 +33,7 @@ class UpstreamTap:
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         call: dict[str, Any] = {"method": request.method, "path": request.path, "request": _json(body), "status": None}
+        call["headers"] = {k.lower(): v for k, v in request.headers.items()}
         self.calls.append(call)  # before forwarding: a call that stalls or fails is still seen
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         try:

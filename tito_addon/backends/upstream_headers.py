@@ -37,3 +37,17 @@ def forwarded_headers(headers: Mapping[str, str], own: str) -> dict[str, str]:
     """The agent's headers (lower-case names) that go upstream: all but `NOT_FORWARDED` and `own`, the proxy's
     own header (the session id's)."""
     return {k: v for k, v in headers.items() if k not in NOT_FORWARDED and k != own}
+
+
+#: The engine routers the proxy knows, and the header each keys a session on (lower-case), for the sticky policies
+#: that keep a session's requests on one engine: vllm-router's `consistent_hash` and `sticky_least_loaded` read
+#: `X-Session-ID` first (then other headers and body fields, else a hash of the whole body, which differs every turn).
+#: `none`: one engine, or a router the proxy sets no key for.
+ROUTER_SESSION_KEYS: dict[str, str | None] = {"none": None, "vllm-router": "x-session-id"}
+
+
+def with_router_key(headers: dict[str, str], key: str | None, session_id: str) -> dict[str, str]:
+    """`headers` with the router's session key set to the proxy's session id, whatever the agent sent under it."""
+    if key is not None:
+        headers[key] = session_id
+    return headers

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tito_addon.backends.backend_routes import normalize_backend_url, parse_backends
+from tito_addon.backends.upstream_headers import ROUTER_SESSION_KEYS
 from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, FORBIDDEN_KWARGS
 
@@ -40,6 +41,11 @@ class TitoSettings(BaseModel):
         "",
         "Comma-separated backend hosts, HOST[:PORT] or HOST[:PORT]=URL: when set, only chat requests to these "
         "hosts are rewritten (URL: where that host's turns run).",
+    )
+    router: str = option(
+        "none",
+        "The router between the proxy and its engines: none, or vllm-router (every backend request carries "
+        "X-Session-ID with the proxy's session id, so a sticky policy keeps a session on one engine).",
     )
     tokenizer: str = option("", "Tokenizer: a Hugging Face model name or a local directory.")
     model_family: str = option("default", f"Boundary and template rules: {', '.join(FAMILIES)}.")
@@ -157,6 +163,14 @@ class TitoSettings(BaseModel):
     def _kind(cls, value: str) -> str:
         if value not in BACKEND_KINDS:
             raise ValueError(f"unknown backend kind {value!r}; choose one of: {', '.join(BACKEND_KINDS)}")
+        return value
+
+    @field_validator("router")
+    @classmethod
+    def _router(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in ROUTER_SESSION_KEYS:
+            raise ValueError(f"unknown router {value!r}; choose one of: {', '.join(ROUTER_SESSION_KEYS)}")
         return value
 
     @field_validator("backend_url")

@@ -16,6 +16,7 @@ from tito_addon.backends.backend_kinds import make_backend
 from tito_addon.backends.backend_routes import BackendRoutes, backend_url_from_env
 from tito_addon.backends.resumed_generation import ResumePolicy, ResumeStats
 from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.backends.upstream_headers import ROUTER_SESSION_KEYS
 from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.prompt_ids import EncodedPrefixes
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, TokenEngine
@@ -112,6 +113,7 @@ class TurnWiring:
             sessions,
             records,
             session_header=settings.session_header,
+            router_key=ROUTER_SESSION_KEYS[settings.router],
             prefixes=self.prefixes,
             record_message_text=settings.record_message_text,
             signer=self._signer(settings),

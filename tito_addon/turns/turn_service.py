@@ -18,7 +18,7 @@ from dataclasses import replace
 from urllib.parse import unquote
 
 from tito_addon.backends.backend_protocol import Backend, BackendTurn
-from tito_addon.backends.upstream_headers import forwarded_headers
+from tito_addon.backends.upstream_headers import forwarded_headers, with_router_key
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
 from tito_addon.engine.token_engine import TokenEngine
@@ -87,6 +87,7 @@ class TurnService:
         records: Records,
         *,
         session_header: str = "x-session-id",
+        router_key: str | None = None,
         prefixes: EncodedPrefixes | None = None,
         record_message_text: bool = True,
         signer: TurnSigner | None = None,
@@ -96,7 +97,8 @@ class TurnService:
         in_flight: TurnsInFlight | None = None,
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
-        request naming a session its driver closed gets: `refuse` (410) or a `new` tree."""
+        request naming a session its driver closed gets: `refuse` (410) or a `new` tree. `router_key`: the header an
+        engine router keys sessions on (`ROUTER_SESSION_KEYS`), set to the turn's session id on its backend calls."""
         self.record_message_text = record_message_text
         self.in_flight = in_flight if in_flight is not None else TurnsInFlight()
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
@@ -112,6 +114,7 @@ class TurnService:
         self.sessions = SessionRecords(sessions, records, after_close)
         self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
         self.session_header = session_header.lower()
+        self.router_key = router_key
 
     def route(self, path: str) -> Route | None:
         return find_route(self.apis, path)
@@ -318,7 +321,7 @@ class TurnService:
             await self.sessions.release(claim)
             raise
         line = LineContext(self.engine, self.backend.kind, headers.get("x-request-id"), self.record_message_text)
-        backend_turn = self.backend_turn(prepared, headers, base_url)
+        backend_turn = self.backend_turn(prepared, claim.session_id, headers, base_url)
         run = TurnRun(prepared, claim, responder, backend_turn, self.sessions, line, in_flight=self.in_flight)
         self.in_flight.add(run)
         return run
@@ -330,10 +333,12 @@ class TurnService:
         context_length = await self.backend.context_length(turn.base_url, turn.headers)
         run.budget = fit_completion_budget(turn.chat_body, len(run.prepared.prompt), context_length)
 
-    def backend_turn(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> BackendTurn:
+    def backend_turn(
+        self, prepared: PreparedTurn, session_id: str, headers: dict[str, str], base_url: str
+    ) -> BackendTurn:
         chat_body = dict(prepared.agent.chat_body)
         chat_body["chat_template_kwargs"] = prepared.kwargs
-        forward = forwarded_headers(headers, self.session_header)
+        forward = with_router_key(forwarded_headers(headers, self.session_header), self.router_key, session_id)
         engine = self.engine
         route = prepared.route
         return BackendTurn(
