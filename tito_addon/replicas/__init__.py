@@ -2,7 +2,8 @@
 
 Owns the sglang replica and the vLLM scale-out replica, both written from `wire-formats.md` and checked against real
 vLLM bodies, and the harness that runs real processes on loopback (`proxy_process`: a `mitmdump` with the addon;
-`fleet`: redis, haproxy and several proxies). A small package of concepts:
+`mitmdump_forks`: mitmdumps forked from one warmed interpreter; `fleet`: redis, haproxy, vllm-router and several
+proxies). A small package of concepts:
 
 - what both replicas share: the scripted model (`scripted_model`: what the model says, in Qwen3's format), its
   tokenizer (`replica_tokenizer`: a real HF tokenizer and the non-canonical ids), the transport faults (`faults`) and

@@ -2,9 +2,10 @@
 
 `RedisServer` is a real redis-server that keeps its data across a stop and a start (append-only file, fsynced on
 every write); `HAProxy` is a real haproxy balancing round-robin, without stickiness, over a list of backends;
-`ProxyFleet` is N `mitmdump`s with the addon, each on a fixed port (so one can be killed and restarted on the same
-port while HAProxy's health checks take it out and put it back), all recording into the same directory, behind one
-HAProxy. Process helpers only: no test logic here.
+`VllmRouter` is the real vllm-router (PyPI) in front of several engines; `ProxyFleet` is N `mitmdump`s with the
+addon, each on a fixed port (so one can be killed and restarted on the same port while HAProxy's health checks take
+it out and put it back), all recording into the same directory, behind one HAProxy. Process helpers only: no test
+logic here.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 from tito_addon.replicas.proxy_process import Mitmdump
 
-__all__ = ["HAProxy", "FixedPortMitmdump", "ProxyFleet", "RedisServer", "free_port", "wait_for_port"]
+__all__ = ["HAProxy", "FixedPortMitmdump", "ProxyFleet", "RedisServer", "VllmRouter", "free_port", "wait_for_port"]
 
 
 _HANDED_OUT: set[int] = set()
@@ -161,23 +164,62 @@ class RedisServer:
         self.stop()
 
 
-class HAProxy:
-    """`haproxy -f cfg -db` in front of `backends` (http URLs): HTTP mode, round-robin per request, no stickiness,
-    health checks every 300 ms that take a server out after one failure and back after one success, and a request
-    whose connection fails is retried (twice) on another server."""
+class LoggedServer:
+    """A server process listening on a port of 127.0.0.1, its output in a log file of its own work dir."""
 
-    def __init__(self, backends: list[str], port: int | None = None, executable: str | None = None) -> None:
-        self.backends = list(backends)
+    def __init__(self, port: int | None, name: str) -> None:
         self.port = port or free_port()
-        self.executable = executable or shutil.which("haproxy") or "/usr/sbin/haproxy"
-        self.workdir = Path(tempfile.mkdtemp(prefix="tito-haproxy-"))
-        self.config_path = self.workdir / "haproxy.cfg"
-        self.log_path = self.workdir / "haproxy.out"
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"tito-{name}-"))
+        self.log_path = self.workdir / f"{name}.out"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """What must be in place before the process starts (a config file)."""
+
+    def start(self, timeout: float = 30.0) -> Self:
+        self.prepare()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(self.port, timeout, alive=self.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}\n{self.output()}") from exc
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> int | None:
+        code = _stop(self.proc)
+        self.proc = None
+        return code
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class HAProxy(LoggedServer):
+    """`haproxy -f cfg -db` in front of `backends` (http URLs): HTTP mode, round-robin per request, no stickiness,
+    health checks every 300 ms that take a server out after one failure and back after one success, and a request
+    whose connection fails is retried (twice) on another server."""
+
+    def __init__(self, backends: list[str], port: int | None = None, executable: str | None = None) -> None:
+        super().__init__(port, "haproxy")
+        self.backends = list(backends)
+        self.executable = executable or shutil.which("haproxy") or "/usr/sbin/haproxy"
+        self.config_path = self.workdir / "haproxy.cfg"
 
     def config(self) -> str:
         servers = []
@@ -212,36 +254,30 @@ class HAProxy:
             ]
         )
 
-    def start(self, timeout: float = 30.0) -> HAProxy:
+    def prepare(self) -> None:
         self.config_path.write_text(self.config())
         check = subprocess.run([self.executable, "-c", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"haproxy refuses its config:\n{check.stdout}{check.stderr}\n{self.config()}")
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [self.executable, "-f", str(self.config_path), "-db"], stdout=log, stderr=subprocess.STDOUT
-            )
-        try:
-            wait_for_port(self.port, timeout, alive=self.proc)
-        except (RuntimeError, TimeoutError) as exc:
-            self.stop()
-            raise RuntimeError(f"{exc}\n{self.output()}") from exc
-        return self
 
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+    def argv(self) -> list[str]:
+        return [self.executable, "-f", str(self.config_path), "-db"]
 
-    def stop(self) -> int | None:
-        code = _stop(self.proc)
-        self.proc = None
-        return code
 
-    def __enter__(self) -> HAProxy:
-        return self.start()
+class VllmRouter(LoggedServer):
+    """`vllm-router` (the PyPI wheel's binary, beside this Python) in front of `engines` with a session `policy`;
+    health checks every second, an engine out after two failures."""
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+    def __init__(self, engines: list[str], policy: str = "consistent_hash", port: int | None = None) -> None:
+        super().__init__(port, "vllm-router")
+        self.engines = list(engines)
+        self.policy = policy
+        self.executable = str(Path(sys.executable).with_name("vllm-router"))
+
+    def argv(self) -> list[str]:
+        argv = [self.executable, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *self.engines]
+        argv += ["--policy", self.policy, "--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
+        return [*argv, "--log-level", "warning"]
 
 
 class FixedPortMitmdump(Mitmdump):
