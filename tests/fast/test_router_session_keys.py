@@ -13,6 +13,7 @@ from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
 from support.upstream_tap import UpstreamTap
 
+from tito_addon.backends.upstream_headers import router_digest
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
@@ -84,6 +85,17 @@ def test_the_proxys_session_id_overrides_what_the_agent_sends_under_the_key(stac
     )
     two_turns(client, stream=False)
     assert set(keys_sent(tap, since)) == {f"driver-{kind}"}
+
+
+def test_a_name_of_other_than_printable_ascii_goes_as_its_digest(stack) -> None:
+    """Header values are ASCII to a router (vllm-router reads them as visible ASCII): a session named `équipe/7 …`
+    is keyed by a digest of its name, the same on every call, and its turns are served."""
+    kind, tap, proxy = stack
+    since = len(tap.calls)
+    client = openai.OpenAI(base_url=proxy.url + f"/sessions/%C3%A9quipe%2F7%20{kind}/v1", api_key="sk-x")
+    two_turns(client, stream=False)
+    (key,) = set(keys_sent(tap, since))
+    assert key == router_digest(f"équipe/7 {kind}") and key.isascii() and key.startswith("sid-")
 
 
 def test_a_session_without_a_name_is_keyed_by_the_id_the_proxy_gave_it(stack) -> None:

@@ -7,6 +7,8 @@ call writes its own host, framing and accept-encoding (`backend_connections.requ
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Mapping
 
 # Lower-case names. The turn leaves them out of the headers it hands a backend (`forwarded_headers`), and every
@@ -47,7 +49,16 @@ ROUTER_SESSION_KEYS: dict[str, str | None] = {"none": None, "vllm-router": "x-se
 
 
 def with_router_key(headers: dict[str, str], key: str | None, session_id: str) -> dict[str, str]:
-    """`headers` with the router's session key set to the proxy's session id, whatever the agent sent under it."""
+    """`headers` with the router's session key set to the proxy's session id, whatever the agent sent under it. An id
+    that is not printable ASCII (a session named `/sessions/équipe/`) goes as a digest of itself: a router may refuse
+    or ignore a header value of other bytes, and any value the session always sends keeps it on its engine."""
     if key is not None:
-        headers[key] = session_id
+        headers[key] = session_id if _PRINTABLE.fullmatch(session_id) else router_digest(session_id)
     return headers
+
+
+_PRINTABLE = re.compile(r"[\x21-\x7e][\x20-\x7e]*")
+
+
+def router_digest(session_id: str) -> str:
+    return "sid-" + hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:32]
