@@ -54,8 +54,9 @@ VARYING = frozenset({"PYTEST_CURRENT_TEST", "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
 _MESSAGE = 1 << 16
 
 
-class ForkServerGone(RuntimeError):
-    """The server exited (or could not start): the caller starts its process from scratch instead."""
+class NotForked(RuntimeError):
+    """This start cannot be a fork (another program or environment, or the server has exited): the caller starts
+    its process from scratch instead."""
 
 
 class ForkedProcess:
@@ -115,13 +116,15 @@ class ForkServer:
         return _fixed(env) == _fixed(self.env)
 
     def spawn(self, argv: list[str], cwd: Path, env: dict[str, str]) -> ForkedProcess:
-        assert self.serves(argv, env), "the fork server only starts this venv's mitmdump in its own environment"
+        """A forked child that is the process `argv` and `env` describe, or NotForked."""
+        if not self.serves(argv, env):
+            raise NotForked("the fork server starts only this venv's mitmdump, in its own environment")
         read_end, write_end = os.pipe()
         try:
             with self._lock:
                 if self._broken:
                     os.close(read_end)
-                    raise ForkServerGone("the mitmdump fork server has exited")
+                    raise NotForked("the mitmdump fork server has exited")
                 sock = self._connect()
                 self._next += 1
                 ask = self._next
@@ -137,7 +140,7 @@ class ForkServer:
         answer = self._answers.pop(ask)
         if "error" in answer:
             os.close(read_end)
-            raise ForkServerGone(f"the mitmdump fork server could not fork: {answer['error']}")
+            raise NotForked(f"the mitmdump fork server could not fork: {answer['error']}")
         child = ForkedProcess(argv, answer["pid"], os.fdopen(read_end, "r", encoding="utf-8", errors="replace"))
         with self._lock:
             self._children[child.pid] = child
@@ -147,7 +150,8 @@ class ForkServer:
         return child
 
     def run_to_exit(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
-        """`subprocess.run` for a forked child: its exit code and all it wrote, or TimeoutExpired (it is killed)."""
+        """`subprocess.run` for a forked child: its exit code and all it wrote, TimeoutExpired (it is killed), or
+        NotForked."""
         child = self.spawn(argv, cwd, env)
         output: list[str] = []
         reader = threading.Thread(target=lambda: output.append(child.stdout.read()), daemon=True)

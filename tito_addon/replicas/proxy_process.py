@@ -5,6 +5,7 @@ Used by `python -m tito_addon demo` and by the integration tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
-from tito_addon.replicas.mitmdump_forks import ForkedProcess, ForkServer, ForkServerGone
+from tito_addon.replicas.mitmdump_forks import ForkedProcess, ForkServer, NotForked
 
 REPO = Path(__file__).resolve().parents[2]
 LISTEN = re.compile(r"listening at (?:\S+? )?\[?127\.0\.0\.1\]?:(\d+)")
@@ -80,12 +81,9 @@ class Mitmdump:
 
     def start(self, timeout: float = 90.0) -> Mitmdump:
         self.proc = None
-        forks = Mitmdump.forks
-        if forks is not None and forks.serves(self.argv, self.env):
-            try:
-                self.proc = forks.spawn(self.argv, self.cwd, self.env)
-            except ForkServerGone:
-                self.proc = None
+        if Mitmdump.forks is not None:
+            with contextlib.suppress(NotForked):
+                self.proc = Mitmdump.forks.spawn(self.argv, self.cwd, self.env)
         if self.proc is None:
             self.proc = subprocess.Popen(
                 self.argv, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -115,12 +113,9 @@ class Mitmdump:
 
     def run_to_exit(self, timeout: float = 90.0) -> tuple[int, str]:
         """For a configuration that must be refused: wait for the process to exit on its own."""
-        forks = Mitmdump.forks
-        if forks is not None and forks.serves(self.argv, self.env):
-            try:
-                return forks.run_to_exit(self.argv, self.cwd, self.env, timeout)
-            except ForkServerGone:
-                pass
+        if Mitmdump.forks is not None:
+            with contextlib.suppress(NotForked):
+                return Mitmdump.forks.run_to_exit(self.argv, self.cwd, self.env, timeout)
         result = subprocess.run(
             self.argv,
             cwd=self.cwd,
