@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.canonical_chat import AssistantMessage, ChatRequest
 from tito_addon.engine.prompt_ids import PromptIds
 from tito_addon.tito_errors import UpstreamMalformed
@@ -27,6 +28,7 @@ class BackendTurn:
     stop_texts: dict[int, str] = field(default_factory=dict)  # the model's stop ids and their literal text
     special_ids: frozenset[int] = frozenset()  # the tokenizer's added and special tokens
     output_text: Callable[[list[int]], str] | None = None  # generated ids' text, as stop strings are checked on it
+    failover: FailoverLog = field(default_factory=FailoverLog)  # the engines its calls may go to, what failed over
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -43,9 +43,9 @@ DEFAULT_RESUME = ResumePolicy()
 
 @dataclass
 class ResumeStats:
-    """This process's generations that a weight update cut: those resuming now (cut and not ended: held by the paused
-    engine, or generating again), those that ended after being resumed, and every cut. A driver reads them from the
-    control API's `/v1/info` to see an update drain."""
+    """This process's generations that a weight update cut (or an engine's death, mid-stream: `engine_failover`):
+    those resuming now (cut and not ended: held by the paused engine, or generating again), those that ended after
+    being resumed, and every cut. A driver reads them from the control API's `/v1/info` to see an update drain."""
 
     resuming: int = 0
     resumed: int = 0

@@ -138,7 +138,7 @@ class SglangBackend:
         weight: str | None = None
         base: dict[str, Any] = {}
         events = self.client.sse_events(
-            turn.base_url + turn.chat_path, with_input_ids(body, turn.prompt.json_pieces), turn.headers
+            turn.base_url + turn.chat_path, with_input_ids(body, turn.prompt.json_pieces), turn.headers, turn.failover
         )
         try:
             async for event in events:
@@ -255,7 +255,7 @@ class SglangBackend:
     ) -> ChatAttempt:
         """One chat completion on `prompt_ids` (sent as `pieces`), checked."""
         response = await self.client.post_bytes(
-            turn.base_url + turn.chat_path, with_input_ids(body, pieces), turn.headers
+            turn.base_url + turn.chat_path, with_input_ids(body, pieces), turn.headers, turn.failover
         )
         if response.status != 200:
             raise UpstreamPassthrough(response.status, response.body, response.content_type)
@@ -321,7 +321,7 @@ class SglangBackend:
             stop, finish, drop_last = straddling[1], "stop", False
         tail = turn.output_text(turn.prompt_ids[-4:]) if turn.output_text is not None else ""
         server = await self.servers.get(turn.base_url, turn.headers)
-        parser = CompletionParser(self.client, turn.base_url, turn.headers, server)
+        parser = CompletionParser(self.client, turn.base_url, turn.headers, server, turn.failover)
         message, final = await parser.message(StitchedText(stitched.ids, stop, drop_last), turn.chat_body, tail, finish)
         checked_message(message)
         return message, final or finish, straddling is not None

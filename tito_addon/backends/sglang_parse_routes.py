@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.tito_errors import TitoError, UpstreamMalformed
 
@@ -51,14 +52,22 @@ def tools_active(chat_body: dict[str, Any]) -> bool:
 class CompletionParser:
     """Parses one stitched completion through the server at `base_url` (with the turn's headers)."""
 
-    def __init__(self, client: UpstreamClient, base_url: str, headers: dict[str, str], server: SglangServer) -> None:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        base_url: str,
+        headers: dict[str, str],
+        server: SglangServer,
+        log: FailoverLog | None = None,
+    ) -> None:
         self.client = client
         self.base_url = base_url
         self.headers = headers
         self.server = server
+        self.log = log
 
     async def _route(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self.client.post_json(self.base_url + path, body, self.headers)
+        response = await self.client.post_json(self.base_url + path, body, self.headers, self.log)
         try:
             answer = response.json() if response.status == 200 else None
         except ValueError:

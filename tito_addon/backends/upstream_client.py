@@ -1,7 +1,8 @@
 """HTTP calls to the backend, on this package's own keep-alive connections (`backend_connections`).
 
 Transport failures become explicit errors: refused or reset connections answer 502, a backend that
-stalls past the timeout answers 504.
+stalls past the timeout answers 504. Where failover is on (`engine_failover`), a call a dead engine broke is sent
+again first, to the router after a backoff or to the session's next engine of a fixed list.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 
 from tito_addon.backends.backend_connections import ConnectFailed, ConnectionPool, HttpError
+from tito_addon.backends.engine_failover import RETRIED_STATUSES, EngineList, FailoverLog, FailoverPolicy
 from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamPassthrough, UpstreamUnavailable
 
 logger = logging.getLogger(__name__)
@@ -25,6 +27,11 @@ logger = logging.getLogger(__name__)
 class UpstreamTimeout(TitoError):
     status = 504
     error_type = "upstream_timeout"
+
+
+class StreamCut(UpstreamUnavailable):
+    """A stream broke after some of its events arrived: sending the request again would sample anew, so the caller
+    decides (vLLM's generate goes on from the tokens it has)."""
 
 
 @dataclass(frozen=True)
@@ -40,23 +47,80 @@ class UpstreamResponse:
 class UpstreamClient:
     def __init__(self, timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
+        self.failover = FailoverPolicy()
+        # With a fixed engine list: calls addressed to its first URL go to a live engine (a turn's: its session's).
+        self.engines: EngineList | None = None
         # The proxy's own environment (HTTP_PROXY and the like) never reroutes a backend call.
         self._pool = ConnectionPool()
 
-    async def post_json(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> UpstreamResponse:
-        return await self._request("POST", url, headers, dumps(body), _JSON)
+    def turn_log(self, session_id: str) -> FailoverLog:
+        """The failover log of a turn of this session: its engines in order, where there is a list."""
+        return FailoverLog.for_session(self.engines, session_id)
+
+    async def post_json(
+        self, url: str, body: Mapping[str, Any], headers: Mapping[str, str], log: FailoverLog | None = None
+    ) -> UpstreamResponse:
+        return await self._request("POST", url, headers, dumps(body), _JSON, log)
 
     async def post_bytes(
-        self, url: str, payload: bytes | Sequence[bytes], headers: Mapping[str, str]
+        self,
+        url: str,
+        payload: bytes | Sequence[bytes],
+        headers: Mapping[str, str],
+        log: FailoverLog | None = None,
     ) -> UpstreamResponse:
         """A JSON body the caller already encoded, whole or in pieces that are sent one after the other (e.g. with
         a prompt's ids spliced in as ready text)."""
-        return await self._request("POST", url, headers, payload, _JSON)
+        return await self._request("POST", url, headers, payload, _JSON, log)
 
-    async def get(self, url: str, headers: Mapping[str, str]) -> UpstreamResponse:
-        return await self._request("GET", url, headers, None, {})
+    async def get(self, url: str, headers: Mapping[str, str], log: FailoverLog | None = None) -> UpstreamResponse:
+        return await self._request("GET", url, headers, None, {}, log)
 
     async def _request(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        payload: bytes | Sequence[bytes] | None,
+        ours: Mapping[str, str],
+        log: FailoverLog | None,
+    ) -> UpstreamResponse:
+        """One call, sent again while the failover policy allows when a dead engine broke it (`engine_failover`):
+        then the last answer, or the last error."""
+        log = log if log is not None else self.turn_log("")
+        retry = 0
+        while True:
+            target = log.url(url)
+            try:
+                response = await self._once(method, target, headers, payload, ours)
+            except UpstreamUnavailable as exc:
+                if retry >= self.failover.retries:
+                    raise
+                failure = exc.message
+            else:
+                if response.status not in RETRIED_STATUSES or retry >= self.failover.retries:
+                    if response.status not in RETRIED_STATUSES:
+                        log.answered()
+                    return response
+                failure = f"{_without_credentials(target)} answered {response.status}"
+            await self.fail_over(log, failure, retry)
+            retry += 1
+
+    async def fail_over(self, log: FailoverLog, failure: str, retry: int) -> None:
+        """Before call `retry` + 1 of a broken call: noted in the turn's log, then the next engine of a list at once,
+        or the same URL (a router) after the backoff."""
+        moved = log.failed(failure)
+        logger.warning(
+            "tito: %s; sending the call again (%d of %d)%s",
+            failure,
+            retry + 1,
+            self.failover.retries,
+            f" to {log.engine}" if moved else f" in {self.failover.backoff(retry):g} s",
+        )
+        if not moved:
+            await asyncio.sleep(self.failover.backoff(retry))
+
+    async def _once(
         self,
         method: str,
         url: str,
@@ -76,17 +140,52 @@ class UpstreamClient:
             raise _unavailable(exc, url) from exc
 
     async def sse_events(
-        self, url: str, body: Mapping[str, Any] | bytes | Sequence[bytes], headers: Mapping[str, str]
+        self,
+        url: str,
+        body: Mapping[str, Any] | bytes | Sequence[bytes],
+        headers: Mapping[str, str],
+        log: FailoverLog | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """POST, then yield each JSON `data:` event of the SSE answer until `[DONE]`. `body`: an object, or its JSON
         already encoded, whole or in pieces (as `post_bytes` sends them).
 
-        A non-200 answer raises UpstreamPassthrough before anything is yielded. Closing the generator closes
-        the upstream connection, which is how a disconnected agent cancels its generation."""
+        A non-200 answer raises UpstreamPassthrough before anything is yielded. A stream a dead engine broke before
+        its first event is asked for again as the failover policy allows; one broken later raises StreamCut. Closing
+        the generator closes the upstream connection, which is how a disconnected agent cancels its generation."""
+        log = log if log is not None else self.turn_log("")
+        payload = dumps(body) if isinstance(body, Mapping) else body
+        retry = 0
+        while True:
+            target = log.url(url)
+            events = self._events_once(target, payload, headers)
+            yielded = False
+            try:
+                async for event in events:
+                    yielded = True
+                    yield event
+                log.answered()
+                return
+            except UpstreamUnavailable as exc:
+                if yielded:
+                    raise StreamCut(f"{exc.message} after the stream began") from exc
+                if retry >= self.failover.retries:
+                    raise
+                failure = exc.message
+            except UpstreamPassthrough as exc:
+                if exc.status not in RETRIED_STATUSES or retry >= self.failover.retries:
+                    raise
+                failure = f"{_without_credentials(target)} answered {exc.status}"
+            finally:
+                await events.aclose()
+            await self.fail_over(log, failure, retry)
+            retry += 1
+
+    async def _events_once(
+        self, url: str, payload: bytes | Sequence[bytes], headers: Mapping[str, str]
+    ) -> AsyncGenerator[dict[str, Any]]:
         try:
             # No total limit on a stream: the limit is on silence (until the head, then between two reads).
             async with asyncio.timeout(self.timeout_s):
-                payload = dumps(body) if isinstance(body, Mapping) else body
                 exchange = await self._pool.send("POST", url, headers, payload, _JSON_STREAM)
             async with exchange:
                 if exchange.status != 200:

@@ -36,6 +36,7 @@ from tito_addon.backends.backend_protocol import (
     weight_spans_of,
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
+from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
 from tito_addon.backends.resumed_generation import (
     DEFAULT_RESUME,
@@ -48,7 +49,7 @@ from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_del
 from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse
 from tito_addon.backends.vllm_generation import VllmGeneration, checked_stream_choice, harvest_generate
 from tito_addon.canonical_chat import ChatRequest
-from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough
+from tito_addon.tito_errors import BadRequest, TitoError, UpstreamMalformed, UpstreamPassthrough, UpstreamUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class VllmBackend:
         try:
             response = await self.client.get(base_url + "/version", headers)
             text = response.json().get("version") if response.status == 200 else None
+        except UpstreamUnavailable:
+            raise  # nothing kept: the next turn asks again (a dead engine must not be taken for a 0.24 one)
         except (TitoError, ValueError, AttributeError):
             text = None
         version = parse_version(text if isinstance(text, str) else None)
@@ -155,9 +158,9 @@ class VllmBackend:
         return chat
 
     async def _call(
-        self, url: str, body: dict[str, Any], headers: dict[str, str], step: str
+        self, url: str, body: dict[str, Any], headers: dict[str, str], step: str, log: FailoverLog | None = None
     ) -> tuple[dict[str, Any], bytes]:
-        response: UpstreamResponse = await self.client.post_json(url, body, headers)
+        response: UpstreamResponse = await self.client.post_json(url, body, headers, log)
         if response.status == 403:
             raise ScaleOutDisabled(
                 f"vLLM refused {step} (403): start the server with --enable-scale-out (vLLM >= 0.30 registers "
@@ -176,7 +179,7 @@ class VllmBackend:
     async def run_turn(self, turn: BackendTurn) -> BackendResult:
         version = await self.versions.get(turn.base_url, turn.headers)
         chat, served = await self.served_chat_request(turn)
-        generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
+        generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render", turn.failover)
         skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
         generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version)
         generated, stitched = await self.generation.run(turn, generate_request)
@@ -194,7 +197,9 @@ class VllmBackend:
         }
         if version.at_least(0, 32):
             derender_request["prompt_token_ids"] = seed
-        completion, raw = await self._call(turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender")
+        completion, raw = await self._call(
+            turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender", turn.failover
+        )
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         eos_text = turn.stop_texts.get(completion_ids[-1]) if finish == "stop" else None
         result = self.harvest_derender(
@@ -239,7 +244,7 @@ class VllmBackend:
         included) and on to the agent. Ids and logprobs come from generate, exactly as in a whole turn."""
         version = await self.versions.get(turn.base_url, turn.headers)
         chat, served = await self.served_chat_request(turn)
-        rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render")
+        rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render", turn.failover)
         skew = render_skew(rendered.get("token_ids"), turn.prompt_ids)
         request = self.generate_request(rendered, chat, turn.prompt_ids, version)
         request["stream"] = True
@@ -311,7 +316,7 @@ class VllmBackend:
                     "chat_request": derender_chat,
                 }
                 derendered, _ = await self._call(
-                    turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender"
+                    turn.base_url + DERENDER_PATH, derender_request, turn.headers, "derender", turn.failover
                 )
                 state = derendered.get("stream_state")
                 chunk = derendered.get("chunk")

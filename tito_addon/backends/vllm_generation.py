@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from tito_addon.backends.backend_protocol import BackendTurn, checked_ids, checked_logprobs
+from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.backends.resumed_generation import (
     ABORT,
     Attempt,
@@ -24,14 +25,14 @@ from tito_addon.backends.resumed_generation import (
     fresh_request_id,
     stop_list,
 )
-from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.backends.upstream_client import StreamCut, UpstreamClient
 from tito_addon.tito_errors import UpstreamMalformed
 
 GENERATE_PATH = "/inference/v1/generate"
 _TOKEN_ID_STRING = re.compile(r"^token_id:(\d+)$")
 
 #: POST a JSON body to the backend, named for its step in errors: the parsed object and the raw bytes.
-Call = Callable[[str, dict[str, Any], dict[str, str], str], Awaitable[tuple[dict[str, Any], bytes]]]
+Call = Callable[[str, dict[str, Any], dict[str, str], str, FailoverLog], Awaitable[tuple[dict[str, Any], bytes]]]
 
 
 class VllmGeneration:
@@ -65,7 +66,7 @@ class VllmGeneration:
         attempt_request: dict[str, Any] | None = request
         first: dict[str, Any] | None = None
         while attempt_request is not None:
-            generated, _ = await self.call(url, attempt_request, turn.headers, "generate")
+            generated, _ = await self.call(url, attempt_request, turn.headers, "generate", turn.failover)
             first = first or generated
             choice = first_choice(generated)
             aborted = choice.get("finish_reason") == ABORT
@@ -90,6 +91,13 @@ class VllmGeneration:
             response["choices"][0]["stop_reason"] = stopped[1]
         return response
 
+    async def _fail_over(self, turn: BackendTurn, cut: StreamCut) -> None:
+        """Before a cut stream goes on from its tokens: within the failover policy's retries, else the cut's error."""
+        retry = len(turn.failover.errors)
+        if retry >= self.client.failover.retries:
+            raise cut
+        await self.client.fail_over(turn.failover, cut.message, retry)
+
     async def events(
         self, turn: BackendTurn, request: dict[str, Any], stitched: StitchedGeneration
     ) -> AsyncIterator[dict[str, Any]]:
@@ -108,7 +116,8 @@ class VllmGeneration:
                 spans: Any = None
                 aborted = False
                 stopped: tuple[int, str] | None = None  # a stop string straddling the cut ended the generation
-                events = self.client.sse_events(url, attempt_request, turn.headers)
+                ended = False  # the attempt's final chunk arrived: what may follow is only the usage and [DONE]
+                events = self.client.sse_events(url, attempt_request, turn.headers, turn.failover)
                 try:
                     async for event in events:
                         last = event
@@ -148,10 +157,17 @@ class VllmGeneration:
                                 cut = {**choice, "finish_reason": None, "stop_reason": None, "weight_versions": None}
                                 yield {**event, "choices": [cut]}
                             continue
+                        ended = True
                         if stitched.resumed:
                             stitched.add(Attempt(ids, [], spans))
                             event = {**event, "choices": [{**choice, "weight_versions": stitched.spans()}]}
                         yield event
+                except StreamCut as cut:
+                    # An engine died mid-stream: its tokens so far reached the agent, so the generation goes on from
+                    # them on another engine, as after a weight update's abort (`engine_failover`).
+                    if not ended and stopped is None:
+                        await self._fail_over(turn, cut)
+                        aborted = True
                 finally:
                     await events.aclose()
                 if not aborted:

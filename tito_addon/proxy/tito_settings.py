@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tito_addon.backends.backend_routes import normalize_backend_url, parse_backends
 from tito_addon.backends.upstream_headers import ROUTER_SESSION_KEYS
@@ -46,6 +46,26 @@ class TitoSettings(BaseModel):
         "none",
         "The router between the proxy and its engines: none, or vllm-router (every backend request carries "
         "X-Session-ID with the proxy's session id, so a sticky policy keeps a session on one engine).",
+    )
+    engines: tuple[str, ...] = option(
+        "",
+        "Comma-separated engine base URLs, no router: each session runs on one of them, chosen by a stable hash of its "
+        "id, and moves to the next when its engine dies (replaces tito_backend_url).",
+    )
+    failover_retries: int = option(
+        -1,
+        "Times a backend call a dead engine broke (refused, reset, 500/502/503/504, a stream cut) is sent again before "
+        "the agent gets the error; -1: 3 behind a router or with tito_engines, else 0.",
+        ge=-1,
+        le=100,
+    )
+    failover_backoff_ms: int = option(
+        1000,
+        "Wait before a broken call goes to the router again (doubled each time, up to 8x): long enough for the router "
+        "to drop a dead engine (its health interval x threshold, or its circuit breaker). The next engine of "
+        "tito_engines is tried at once.",
+        ge=0,
+        le=600_000,
     )
     tokenizer: str = option("", "Tokenizer: a Hugging Face model name or a local directory.")
     model_family: str = option("default", f"Boundary and template rules: {', '.join(FAMILIES)}.")
@@ -172,6 +192,28 @@ class TitoSettings(BaseModel):
         if value not in ROUTER_SESSION_KEYS:
             raise ValueError(f"unknown router {value!r}; choose one of: {', '.join(ROUTER_SESSION_KEYS)}")
         return value
+
+    @property
+    def retries(self) -> int:
+        """The failover retries in force: `failover_retries`, or where it is -1, 3 behind a router or a list."""
+        if self.failover_retries >= 0:
+            return self.failover_retries
+        return 3 if self.router != "none" or self.engines else 0
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _engines(cls, value: Any) -> tuple[str, ...]:
+        if isinstance(value, str):
+            value = [part for part in value.replace(" ", "").split(",") if part]
+        return tuple(dict.fromkeys(normalize_backend_url(str(url)) for url in value))
+
+    @model_validator(mode="after")
+    def _one_way_to_the_engines(self) -> TitoSettings:
+        if self.engines and self.router != "none":
+            raise ValueError("tito_engines is a fixed list of engines without a router: set it or tito_router")
+        if self.engines and self.backend_url and self.backend_url != self.engines[0]:
+            raise ValueError("tito_engines replaces tito_backend_url: set one of them")
+        return self
 
     @field_validator("backend_url")
     @classmethod

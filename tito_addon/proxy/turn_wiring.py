@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tito_addon.backends.backend_kinds import make_backend
 from tito_addon.backends.backend_routes import BackendRoutes, backend_url_from_env
+from tito_addon.backends.engine_failover import EngineList, FailoverPolicy
 from tito_addon.backends.resumed_generation import ResumePolicy, ResumeStats
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.backends.upstream_headers import ROUTER_SESSION_KEYS
@@ -71,10 +72,12 @@ class TurnWiring:
         settings = self.settings
         if settings is None:
             return None
+        # A fixed engine list: turns are addressed to its first URL, and each call goes to the session's engine.
+        chosen = settings.engines[0] if settings.engines else settings.backend_url
         routes = BackendRoutes(
             entries=settings.backends,
-            backend_url=settings.backend_url or backend_url_from_env(),
-            override_reverse=bool(settings.backend_url),
+            backend_url=chosen or backend_url_from_env(),
+            override_reverse=bool(chosen),
         )
         return routes.resolve(reverse=reverse, scheme=scheme, host=host, port=port)
 
@@ -92,6 +95,11 @@ class TurnWiring:
         ):
             engine = build_engine(settings)
         self.client.timeout_s = settings.upstream_timeout
+        self.client.failover = FailoverPolicy(settings.retries, settings.failover_backoff_ms / 1000)
+        if not settings.engines:
+            self.client.engines = None
+        elif self.client.engines is None or self.client.engines.urls != list(settings.engines):
+            self.client.engines = EngineList(list(settings.engines))  # (one that stays keeps what it found dead)
         self.memory.configure(idle_timeout=settings.session_idle_timeout, max_sessions=settings.max_sessions)
         self.prefixes.resize(settings.prefix_cache_mb * 1024 * 1024)
         sessions = self._sessions(settings)
@@ -114,6 +122,7 @@ class TurnWiring:
             records,
             session_header=settings.session_header,
             router_key=ROUTER_SESSION_KEYS[settings.router],
+            engines=self.client.engines,
             prefixes=self.prefixes,
             record_message_text=settings.record_message_text,
             signer=self._signer(settings),

@@ -69,12 +69,22 @@ class Follows(BaseModel):
 
 
 class Resumption(BaseModel):
-    """A generation the backend aborted (a weight update) and the proxy resumed from its exact ids until it ended."""
+    """A generation the backend aborted (a weight update), or whose stream an engine's death cut, and the proxy resumed
+    from its exact ids until it ended."""
 
     model_config = ConfigDict(extra="forbid")
 
     attempts: int = Field(ge=2)  # engine requests the generation took
     cuts: list[int]  # where each aborted attempt ended, as a count of the turn's completion tokens
+
+
+class Failover(BaseModel):
+    """Backend calls of a turn that a dead engine broke and the proxy sent again (`engine_failover`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    retries: int = Field(ge=1)  # calls sent again, over the whole turn
+    errors: list[str]  # what broke them (the last 8)
 
 
 class TurnRecord(BaseModel):
@@ -131,6 +141,13 @@ class TurnRecord(BaseModel):
     # Only when the backend aborted the generation and the proxy resumed it: how many engine requests it took and
     # where each cut fell (the ids, log-probs and spans above are the whole generation's).
     resumed: Resumption | None = None
+    # Only when the weights that sampled this turn (`weight_version`) are not those of its parent turn, both reported:
+    # the parent's version. An engine of other weights took the session over, or the weights changed between turns.
+    parent_weight_version: str | None = None
+    # The engine that served the turn, where the proxy chose it (`tito_engines`, a fixed list; a router does not say),
+    # and, only when backend calls of the turn broke and were sent again, how many and why.
+    engine: str | None = None
+    failover: Failover | None = None
     # Only when the agent asked for more completion tokens than the backend's context leaves after the prompt: what
     # it asked, what was sent instead, and the context length the server reported.
     completion_budget: CompletionBudget | None = None
@@ -195,6 +212,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
     "served_model": None, "follows": None, "call_reason": None, "reasoning_tokens": None, "resumed": None,
+    "parent_weight_version": None, "engine": None, "failover": None,
 }  # fmt: skip
 
 

@@ -283,6 +283,11 @@ class GenerateEndpoint(VllmEndpoint):
             for i in range(planned):
                 if not await self.pause.step(generation, self.config.weight_version):
                     break
+                if fault == "cut_stream" and produced == max(planned // 2, 1):
+                    if request.transport is not None:
+                        request.transport.abort()  # the engine died: no finish, no [DONE]
+                    self.cancelled_streams += 1
+                    return resp
                 produced += 1
                 gen["labels"] = generation.labels
                 await send(self._stream_event(body, gen, i, fault, final=i == planned - 1))

@@ -61,7 +61,9 @@ _COMMON_FAULTS = frozenset({"none"}) | TRANSPORT_FAULTS
 VLLM_FAULTS: dict[str, frozenset[str]] = {
     "render": _COMMON_FAULTS,
     "generate": _COMMON_FAULTS
-    | {"missing_ids", "empty_ids", "non_int_ids", "missing_logprobs", "logprobs_length", "short_prompt_ids"},
+    | {"missing_ids", "empty_ids", "non_int_ids", "missing_logprobs", "logprobs_length", "short_prompt_ids"}
+    # A streamed generation whose engine dies halfway: half its tokens sent, then the connection reset.
+    | {"cut_stream"},
     "derender": _COMMON_FAULTS | {"not_chat", "empty_message"},
 }
 _HTTP_FAULT = re.compile(r"http([45]\d\d)")

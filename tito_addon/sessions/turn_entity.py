@@ -42,6 +42,7 @@ class Turn:
     reply_id: str | None = None  # the id an agent holds for it (`resp_…`)
     episode_id: str | None = None  # its episode and kind of call: a continuation inherits them
     call: str = "main"
+    weight_version: str | None = None  # the weights that sampled it, where reported (a child on others is flagged)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_added_ids", id_array(self.prompt_added_ids))

@@ -82,6 +82,11 @@ class CompletedTurn:
     turn: Turn
 
 
+def other_weights(parent: str | None, version: str | None) -> str | None:
+    """The parent turn's weight version where it is not this turn's (both reported): what the record flags."""
+    return parent if parent is not None and version is not None and parent != version else None
+
+
 def completed_turn(
     prepared: PreparedTurn,
     result: BackendResult,
@@ -144,6 +149,9 @@ def completed_turn(
         "weight_version": result.weight_version,
         "weight_version_spans": result.weight_version_spans,
         "resumed": result.resumed,
+        "parent_weight_version": other_weights(parent.turn.weight_version if parent else None, result.weight_version),
+        "engine": result.extra.get("engine"),
+        "failover": result.extra.get("failover"),
         "completion_budget": completion_budget,
         "served_model": result.extra.get("served_model"),
         **record_fields(place, episode),

@@ -84,6 +84,8 @@ class TurnRun:
         """Commit a turn the backend completed; the flow metadata that describes it, and what the agent gets."""
         prepared = self.prepared
         result.message = self.responder.adapt(result.message)
+        failover = self.backend_turn.failover
+        result.extra["engine"], result.extra["failover"] = failover.engine, failover.record()
         node, done = await self.sessions.commit(self.claim, partial(self.completed, result), prepared.link_scope)
         prepared.prompt.remember(node, result.completion_ids)
         if node.parent is None:

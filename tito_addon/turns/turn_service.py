@@ -18,6 +18,7 @@ from dataclasses import replace
 from urllib.parse import unquote
 
 from tito_addon.backends.backend_protocol import Backend, BackendTurn
+from tito_addon.backends.engine_failover import EngineList, FailoverLog
 from tito_addon.backends.upstream_headers import forwarded_headers, with_router_key
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
@@ -88,6 +89,7 @@ class TurnService:
         *,
         session_header: str = "x-session-id",
         router_key: str | None = None,
+        engines: EngineList | None = None,
         prefixes: EncodedPrefixes | None = None,
         record_message_text: bool = True,
         signer: TurnSigner | None = None,
@@ -98,7 +100,8 @@ class TurnService:
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
         request naming a session its driver closed gets: `refuse` (410) or a `new` tree. `router_key`: the header an
-        engine router keys sessions on (`ROUTER_SESSION_KEYS`), set to the turn's session id on its backend calls."""
+        engine router keys sessions on (`ROUTER_SESSION_KEYS`), set to the turn's session id on its backend calls.
+        `engines`: a fixed engine list (no router), each session's turns on the engine its id hashes to."""
         self.record_message_text = record_message_text
         self.in_flight = in_flight if in_flight is not None else TurnsInFlight()
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
@@ -115,6 +118,7 @@ class TurnService:
         self.prefixes = prefixes if prefixes is not None else EncodedPrefixes()
         self.session_header = session_header.lower()
         self.router_key = router_key
+        self.engines = engines
 
     def route(self, path: str) -> Route | None:
         return find_route(self.apis, path)
@@ -350,6 +354,7 @@ class TurnService:
             engine.stop_texts,
             engine.special_ids,
             self.output_text,
+            FailoverLog.for_session(self.engines, session_id),
         )
 
     def responder(self, prepared: PreparedTurn, claim: Claim) -> Responder:
