@@ -8,6 +8,7 @@ which differs every turn, and a session's turns scatter over the engines (what i
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -17,6 +18,7 @@ from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.fleet import VllmRouter
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 pytestmark = [pytest.mark.full]
@@ -24,14 +26,21 @@ pytestmark = [pytest.mark.full]
 SESSIONS, TURNS = 12, 3
 
 
-def engines_of_sessions(tmp_path: Path, policy: str, options: dict[str, str]) -> dict[str, list[int]]:
-    """Runs 12 agents (6 naming their session, 6 not) for 3 turns each through proxy -> router -> three engines;
-    answers, per recorded session, the engine each of its turns ran on, in turn order."""
-    configs = [VllmReplicaConfig(tokenizer=tokenizer_path("qwen3")) for _ in range(3)]
-    with VllmReplicaThread(configs[0]) as e0, VllmReplicaThread(configs[1]) as e1, VllmReplicaThread(configs[2]) as e2:
+def engine_of(kind: str, **config):
+    if kind == "vllm":
+        return VllmReplicaThread(VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
+    return ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
+
+
+def engines_of_sessions(
+    tmp_path: Path, policy: str, options: dict[str, str], kind: str = "vllm"
+) -> dict[str, list[int]]:
+    """Runs 12 agents (6 naming their session, 6 not) for 3 turns each through proxy -> router -> three engines of
+    `kind`; answers, per recorded session, the engine each of its turns ran on, in turn order."""
+    with engine_of(kind) as e0, engine_of(kind) as e1, engine_of(kind) as e2:
         engines = [e0, e1, e2]
         with VllmRouter([e.url for e in engines], policy=policy) as router:
-            settings = {"tito_backend_kind": "vllm", **options}
+            settings = {"tito_backend_kind": kind, **options}
             record_dir = tmp_path / "rec"
             with Mitmdump(router.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
                           options=settings) as proxy:  # fmt: skip
@@ -44,9 +53,8 @@ def engines_of_sessions(tmp_path: Path, policy: str, options: dict[str, str]) ->
                 assert not failures, failures
         ran_on: dict[tuple[int, ...], list[int]] = {}
         for index, engine in enumerate(engines):
-            for path, body in engine.received():
-                if path.endswith("/generate"):
-                    ran_on.setdefault(tuple(body["token_ids"]), []).append(index)
+            for entry in engine.generated():  # (sglang: the chat calls that generated on input_ids)
+                ran_on.setdefault(tuple(entry["prompt_ids"]), []).append(index)
     placed: dict[str, list[int]] = {}
     for session in iter_session_files(record_dir):
         ids = session.full_ids()
@@ -59,12 +67,11 @@ def engines_of_sessions(tmp_path: Path, policy: str, options: dict[str, str]) ->
     return placed
 
 
-def agent(proxy: Mitmdump, n: int, failures: list[BaseException], turns: int = TURNS) -> None:
-    """Agent `n`: every other one names its session; with more turns than the default, every third streams."""
+def agent(proxy: Mitmdump, n: int, failures: list[BaseException], turns: int = TURNS, streams: bool = False) -> None:
+    """Agent `n`: every other one names its session."""
     headers = {"x-session-id": f"named-{n}"} if n % 2 == 0 else None
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", default_headers=headers, max_retries=0)
     messages: list[dict] = [{"role": "user", "content": f"Agent {n}: what is the weather in city number {n}?"}]
-    streams = turns != TURNS and n % 3 == 0
     try:
         for turn in range(turns):
             if streams:
@@ -79,9 +86,13 @@ def agent(proxy: Mitmdump, n: int, failures: list[BaseException], turns: int = T
         failures.append(exc)
 
 
-@pytest.mark.parametrize("policy", ["consistent_hash", "sticky_least_loaded"])
-def test_each_session_stays_on_one_engine_behind_vllm_router(tmp_path: Path, policy: str) -> None:
-    placed = engines_of_sessions(tmp_path, policy, {"tito_router": "vllm-router"})
+@pytest.mark.parametrize(
+    ("kind", "policy"), [("vllm", "consistent_hash"), ("vllm", "sticky_least_loaded"), ("sglang", "consistent_hash")]
+)
+def test_each_session_stays_on_one_engine_behind_vllm_router(tmp_path: Path, kind: str, policy: str) -> None:
+    """sglang too: vllm-router carries sglang's chat call with our input_ids and sglext flags (its transparent chat
+    route keeps every field), and the replica checks the ids it generates on; the engines' logs say where each ran."""
+    placed = engines_of_sessions(tmp_path, policy, {"tito_router": "vllm-router"}, kind)
     assert all(len(set(turns)) == 1 for turns in placed.values()), placed
     assert len({turns[0] for turns in placed.values()}) >= 2, f"the router spread no sessions: {placed}"
 
@@ -92,48 +103,94 @@ def test_without_the_key_a_sessions_turns_scatter(tmp_path: Path) -> None:
     assert sum(len(set(turns)) > 1 for turns in placed.values()) >= SESSIONS // 2, placed
 
 
-def test_an_engine_killed_mid_run_loses_no_turn_behind_vllm_router(tmp_path: Path) -> None:
-    """Twelve agents (a third streaming) run four turns each through proxy -> vllm-router -> three engines; one engine
-    dies while turns run on it. The router answers those turns 500 (it retries the same sticky engine): the proxy sends
-    them again once the router has dropped the engine (`tito_failover_*`), a stream cut halfway goes on from its
-    tokens, and no agent sees an error. Every turn is recorded once, token-exact, and its sessions continue on the
-    others; where each ran is read from the engines' own logs."""
-    configs = [VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.02) for _ in range(3)]
-    with VllmReplicaThread(configs[0]) as e0, VllmReplicaThread(configs[1]) as e1, VllmReplicaThread(configs[2]) as e2:
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_an_engine_killed_mid_run_loses_no_turn_behind_vllm_router(tmp_path: Path, kind: str) -> None:
+    """Twelve agents (on vLLM a third stream) run four turns each through proxy -> vllm-router -> three engines; one
+    engine is killed with turns in flight on it. What the router hands back failed (a 500 where it retried the dead
+    sticky engine; it re-routes some calls itself, depending on timing) the proxy sends again, a vLLM stream cut
+    halfway goes on from its tokens, and no agent sees an error. Every turn is recorded once, token-exact, and the dead
+    engine's sessions continue on the others; where each ran is read from the engines' own logs. (An sglang chat stream
+    says its ids only at its end, so one cut halfway cannot go on: sglang's agents here ask for whole answers.)"""
+    with engine_of(kind, token_delay_s=0.02) as e0, engine_of(kind, token_delay_s=0.02) as e1, \
+            engine_of(kind, token_delay_s=0.02) as e2:  # fmt: skip
         engines = [e0, e1, e2]
         with VllmRouter([e.url for e in engines], policy="consistent_hash") as router:
-            settings = {"tito_backend_kind": "vllm", "tito_router": "vllm-router"}
+            settings = {"tito_backend_kind": kind, "tito_router": "vllm-router"}
             record_dir = tmp_path / "rec"
             with Mitmdump(router.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
                           options=settings) as proxy:  # fmt: skip
                 failures: list[BaseException] = []
-                agents = [threading.Thread(target=agent, args=(proxy, n, failures, 4)) for n in range(SESSIONS)]
+                agents = [
+                    threading.Thread(target=agent, args=(proxy, n, failures, 4, kind == "vllm" and n % 3 == 0))
+                    for n in range(SESSIONS)
+                ]
                 for thread in agents:
                     thread.start()
-                threading.Event().wait(1.5)  # the first turns are under way, some of them on engine 0
-                e0.stop()
+                # Once engine 0 serves sessions, it is paused for a second (each of its sessions' turns is then held
+                # in its generation), then killed: turns in flight die with it, whatever the timing.
+                wait_for(lambda: len(e0.generated()) >= 2)
+                e0.on_loop(e0.backend.pause.pause("keep" if kind == "vllm" else "in_place"))
+                time.sleep(1.0)
+                e0.kill()
                 for thread in agents:
                     thread.join(180)
                 assert not failures, failures
-                log = proxy.output()
-        generated: dict[tuple[int, ...], list[list[int]]] = {}
-        for engine in engines:
+        generated: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
+        for index, engine in enumerate(engines):
             for entry in engine.generated():
-                generated.setdefault(tuple(entry["prompt_ids"]), []).append(list(entry["completion_ids"]))
+                generated.setdefault(tuple(entry["prompt_ids"]), []).append((index, list(entry["completion_ids"])))
     sessions = [s for s in iter_session_files(record_dir) if s.turns]
     assert len(sessions) == SESSIONS and all(len(s.turns) == 4 for s in sessions), [len(s.turns) for s in sessions]
-    failed_over = 0
+    moved = 0
     for session in sessions:
         ids = session.full_ids()
+        ran: list[set[int]] = []
         for turn in session.turns:
             prompt = ids[turn.turn_id][0]
             if turn.resumed is None:
                 # token-exact: an engine generated exactly the recorded completion on exactly the recorded prompt (a
                 # turn whose generate ended before its engine died may have been derendered by another)
-                assert turn.completion_ids in generated.get(tuple(prompt), []), (turn.session_id, turn.turn_id)
+                found = {i for i, done in generated.get(tuple(prompt), []) if done == turn.completion_ids}
             else:  # a stream cut halfway: the rest was generated on the prompt and the tokens before the cut
                 cut = turn.resumed.cuts[0]
                 rest = generated.get(tuple(prompt + turn.completion_ids[:cut]), [])
-                assert any(turn.completion_ids[cut:] == r[: len(turn.completion_ids) - cut] for r in rest), turn
-            failed_over += turn.failover is not None
-    assert failed_over >= 1 and "sending the call again" in log, log[-3000:]
+                found = {i for i, done in rest if turn.completion_ids[cut:] == done[: len(turn.completion_ids) - cut]}
+            assert found, (turn.session_id, turn.turn_id)
+            ran.append(found)
+        moved += 0 in ran[0] and 0 not in ran[-1]
+    # the dead engine's sessions went on elsewhere (the proxy sent again what the router failed, where it did)
+    assert moved >= 1, moved
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_what_the_router_hands_back_failed_is_sent_again(tmp_path: Path, kind: str) -> None:
+    """An engine answers 503 (its health check still passes): vllm-router retries that same sticky engine and hands the
+    503 back. The proxy sends the call again after its backoff, and the agent gets its answer; the record says so."""
+    with engine_of(kind) as e0, engine_of(kind) as e1:
+        engines = [e0, e1]
+        with VllmRouter([e.url for e in engines], policy="consistent_hash") as router:
+            settings = {"tito_backend_kind": kind, "tito_router": "vllm-router", "tito_failover_backoff_ms": "300"}
+            record_dir = tmp_path / "rec"
+            with Mitmdump(router.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                          options=settings) as proxy:  # fmt: skip
+                client = openai.OpenAI(base_url=proxy.url + "/sessions/s503/v1", api_key="sk-x", max_retries=0)
+                messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
+                reply = client.chat.completions.create(model="m", messages=messages)
+                (home,) = [e for e in engines if e.generated()]
+                # more 503s than the router's own attempts (5) and fewer than its circuit breaker's threshold (10)
+                home.set_faults(["generate:http503" if kind == "vllm" else "http503"] * 8)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "?"}]
+                second = client.chat.completions.create(model="m", messages=messages)
+                assert second.choices[0].message.content or second.choices[0].message.tool_calls
+    (session,) = [s for s in iter_session_files(record_dir) if s.turns]
+    turn = session.turns[1]
+    assert turn.failover is not None and turn.failover.retries >= 1, turn.failover
+    assert all("answered 503" in error for error in turn.failover.errors), turn.failover
+    assert turn.completion_ids in [entry["completion_ids"] for entry in home.generated()]

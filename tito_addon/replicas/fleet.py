@@ -277,6 +277,8 @@ class VllmRouter(LoggedServer):
     def argv(self) -> list[str]:
         argv = [self.executable, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *self.engines]
         argv += ["--policy", self.policy, "--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
+        # Its metrics listener defaults to port 29000: a port of its own, or two routers on one machine collide.
+        argv += ["--prometheus-port", str(free_port())]
         return [*argv, "--log-level", "warning"]
 
 

@@ -50,6 +50,15 @@ class ServedApp:
             runner, self._runner = self._runner, None
             await runner.cleanup()
 
+    async def kill(self) -> None:
+        """Die as a killed engine does: every open connection reset at once, answers in flight left unfinished (`stop`
+        lets them end first)."""
+        server = self._runner.server if self._runner is not None else None
+        for handler in list(server.connections) if server is not None else []:
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.stop()
+
 
 class BackendThread:
     """Run a replica (a :class:`ServedApp`) on its own event loop in a daemon thread.
@@ -117,6 +126,11 @@ class BackendThread:
             loop.run_forever()
         finally:
             loop.run_until_complete(self.backend.stop())
+            # Handlers a kill left waiting (on a pause, a stall) end here, not as "Task was destroyed" at close.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
     def stop(self) -> None:
@@ -128,6 +142,12 @@ class BackendThread:
         thread.join(timeout=30)
         self._thread = None
         self._loop = None
+
+    def kill(self) -> None:
+        """The engine dies: its connections reset, nothing in flight answered (`ServedApp.kill`); then stopped."""
+        if self._loop is not None:
+            self.on_loop(self.backend.kill())
+        self.stop()
 
     def on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the replica's own loop and wait for it: what a test does to the engine when its HTTP
