@@ -127,3 +127,18 @@ def test_an_unknown_router_refuses_to_start(tmp_path: Path) -> None:
                      cwd=tmp_path, options={"tito_router": "nginx"})  # fmt: skip
     returncode, output = proxy.run_to_exit()
     assert returncode != 0 and "unknown router 'nginx'" in output and "vllm-router" in output, output[-3000:]
+
+
+def test_smg_keys_sessions_by_its_own_header(tmp_path: Path) -> None:
+    """`tito_router=smg`: the sglang model gateway's sticky policies read `X-SMG-Routing-Key`; every call carries the
+    proxy's session id there, and nothing under vllm-router's header."""
+    with replica_of("sglang") as replica, UpstreamTap(replica.url) as tap:
+        options = {"tito_backend_kind": "sglang", "tito_router": "smg"}
+        with Mitmdump(
+            tap.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path, options=options
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.url + "/sessions/gw/v1", api_key="sk-x")
+            two_turns(client, stream=True)
+    posts = [call["headers"] for call in tap.calls if call["method"] == "POST"]
+    assert len(posts) >= 2 and {h.get("x-smg-routing-key") for h in posts} == {"gw"}
+    assert all("x-session-id" not in h for h in posts)

@@ -17,13 +17,24 @@ from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.fleet import VllmRouter
+from tito_addon.replicas.fleet import SmgGateway, VllmRouter
+from tito_addon.replicas.sglang_replica import MODEL_ID as SGLANG_MODEL
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 pytestmark = [pytest.mark.full]
 
 SESSIONS, TURNS = 12, 3
+# The model name agents ask for: smg routes by it (a name no engine serves is its 404), vLLM's chain maps it.
+MODEL = {"vllm": "m", "sglang": SGLANG_MODEL}
+
+
+def router_of(name: str, engines: list, policy: str | None = None):
+    """The router `name` in front of `engines`, with a sticky policy (vllm-router: consistent_hash; smg: manual)."""
+    urls = [e.url for e in engines]
+    if name == "smg":
+        return SmgGateway(urls, policy=policy or "manual")
+    return VllmRouter(urls, policy=policy or "consistent_hash")
 
 
 def engine_of(kind: str, **config):
@@ -33,19 +44,22 @@ def engine_of(kind: str, **config):
 
 
 def engines_of_sessions(
-    tmp_path: Path, policy: str, options: dict[str, str], kind: str = "vllm"
+    tmp_path: Path, policy: str, options: dict[str, str], kind: str = "vllm", router_name: str = "vllm-router"
 ) -> dict[str, list[int]]:
     """Runs 12 agents (6 naming their session, 6 not) for 3 turns each through proxy -> router -> three engines of
     `kind`; answers, per recorded session, the engine each of its turns ran on, in turn order."""
     with engine_of(kind) as e0, engine_of(kind) as e1, engine_of(kind) as e2:
         engines = [e0, e1, e2]
-        with VllmRouter([e.url for e in engines], policy=policy) as router:
+        with router_of(router_name, engines, policy) as router:
             settings = {"tito_backend_kind": kind, **options}
             record_dir = tmp_path / "rec"
             with Mitmdump(router.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
                           options=settings) as proxy:  # fmt: skip
                 failures: list[BaseException] = []
-                agents = [threading.Thread(target=agent, args=(proxy, n, failures)) for n in range(SESSIONS)]
+                agents = [
+                    threading.Thread(target=agent, args=(proxy, n, failures), kwargs={"model": MODEL[kind]})
+                    for n in range(SESSIONS)
+                ]
                 for thread in agents:
                     thread.start()
                 for thread in agents:
@@ -67,7 +81,14 @@ def engines_of_sessions(
     return placed
 
 
-def agent(proxy: Mitmdump, n: int, failures: list[BaseException], turns: int = TURNS, streams: bool = False) -> None:
+def agent(
+    proxy: Mitmdump,
+    n: int,
+    failures: list[BaseException],
+    turns: int = TURNS,
+    streams: bool = False,
+    model: str = "m",
+) -> None:
     """Agent `n`: every other one names its session."""
     headers = {"x-session-id": f"named-{n}"} if n % 2 == 0 else None
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", default_headers=headers, max_retries=0)
@@ -75,24 +96,31 @@ def agent(proxy: Mitmdump, n: int, failures: list[BaseException], turns: int = T
     try:
         for turn in range(turns):
             if streams:
-                with client.chat.completions.stream(model="m", messages=messages) as events:
+                with client.chat.completions.stream(model=model, messages=messages) as events:
                     for _ in events:
                         pass
                     message = events.get_final_completion().choices[0].message
             else:
-                message = client.chat.completions.create(model="m", messages=messages).choices[0].message
+                message = client.chat.completions.create(model=model, messages=messages).choices[0].message
             messages += [message.model_dump(exclude_none=True), {"role": "user", "content": f"{turn}?"}]
     except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
         failures.append(exc)
 
 
 @pytest.mark.parametrize(
-    ("kind", "policy"), [("vllm", "consistent_hash"), ("vllm", "sticky_least_loaded"), ("sglang", "consistent_hash")]
+    ("router", "kind", "policy"),
+    [
+        ("vllm-router", "vllm", "consistent_hash"),
+        ("vllm-router", "vllm", "sticky_least_loaded"),
+        ("vllm-router", "sglang", "consistent_hash"),
+        ("smg", "sglang", "manual"),
+        ("smg", "sglang", "consistent_hashing"),
+    ],
 )
-def test_each_session_stays_on_one_engine_behind_vllm_router(tmp_path: Path, kind: str, policy: str) -> None:
-    """sglang too: vllm-router carries sglang's chat call with our input_ids and sglext flags (its transparent chat
-    route keeps every field), and the replica checks the ids it generates on; the engines' logs say where each ran."""
-    placed = engines_of_sessions(tmp_path, policy, {"tito_router": "vllm-router"}, kind)
+def test_each_session_stays_on_one_engine_behind_a_router(tmp_path: Path, router: str, kind: str, policy: str) -> None:
+    """sglang behind either router: vllm-router and smg both carry sglang's chat call with our input_ids and sglext
+    flags (the replica checks the ids it generates on); the engines' logs say where each turn ran."""
+    placed = engines_of_sessions(tmp_path, policy, {"tito_router": router}, kind, router)
     assert all(len(set(turns)) == 1 for turns in placed.values()), placed
     assert len({turns[0] for turns in placed.values()}) >= 2, f"the router spread no sessions: {placed}"
 
@@ -110,9 +138,9 @@ def wait_for(condition, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("kind", ["vllm", "sglang"])
-def test_an_engine_killed_mid_run_loses_no_turn_behind_vllm_router(tmp_path: Path, kind: str) -> None:
-    """Twelve agents (on vLLM a third stream) run four turns each through proxy -> vllm-router -> three engines; one
+@pytest.mark.parametrize(("router", "kind"), [("vllm-router", "vllm"), ("vllm-router", "sglang"), ("smg", "sglang")])
+def test_an_engine_killed_mid_run_loses_no_turn_behind_a_router(tmp_path: Path, router: str, kind: str) -> None:
+    """Twelve agents (on vLLM a third stream) run four turns each through proxy -> router -> three engines; one
     engine is killed with turns in flight on it. What the router hands back failed (a 500 where it retried the dead
     sticky engine; it re-routes some calls itself, depending on timing) the proxy sends again, a vLLM stream cut
     halfway goes on from its tokens, and no agent sees an error. Every turn is recorded once, token-exact, and the dead
@@ -121,14 +149,18 @@ def test_an_engine_killed_mid_run_loses_no_turn_behind_vllm_router(tmp_path: Pat
     with engine_of(kind, token_delay_s=0.02) as e0, engine_of(kind, token_delay_s=0.02) as e1, \
             engine_of(kind, token_delay_s=0.02) as e2:  # fmt: skip
         engines = [e0, e1, e2]
-        with VllmRouter([e.url for e in engines], policy="consistent_hash") as router:
-            settings = {"tito_backend_kind": kind, "tito_router": "vllm-router"}
+        with router_of(router, engines) as gateway:
+            settings = {"tito_backend_kind": kind, "tito_router": router}
             record_dir = tmp_path / "rec"
-            with Mitmdump(router.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+            with Mitmdump(gateway.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
                           options=settings) as proxy:  # fmt: skip
                 failures: list[BaseException] = []
                 agents = [
-                    threading.Thread(target=agent, args=(proxy, n, failures, 4, kind == "vllm" and n % 3 == 0))
+                    threading.Thread(
+                        target=agent,
+                        args=(proxy, n, failures, 4, kind == "vllm" and n % 3 == 0),
+                        kwargs={"model": MODEL[kind]},
+                    )
                     for n in range(SESSIONS)
                 ]
                 for thread in agents:
@@ -194,3 +226,44 @@ def test_what_the_router_hands_back_failed_is_sent_again(tmp_path: Path, kind: s
     assert turn.failover is not None and turn.failover.retries >= 1, turn.failover
     assert all("answered 503" in error for error in turn.failover.errors), turn.failover
     assert turn.completion_ids in [entry["completion_ids"] for entry in home.generated()]
+
+
+@pytest.mark.parametrize(("router", "kind"), [("vllm-router", "vllm"), ("smg", "sglang")])
+def test_an_engine_added_takes_new_sessions_and_one_removed_drains(tmp_path: Path, router: str, kind: str) -> None:
+    """Engines come and go through the router's own API (vllm-router: /add_worker, /remove_worker; smg: /workers):
+    one added mid-run takes new sessions, one removed gets no turn after it left while its sessions go on elsewhere;
+    the proxy is not told and nothing breaks. Where each turn ran is read from the engines' own logs."""
+    with engine_of(kind) as e0, engine_of(kind) as e1, engine_of(kind) as e2:
+        with router_of(router, [e0, e1]) as gateway:
+            settings = {"tito_backend_kind": kind, "tito_router": router}
+            with Mitmdump(gateway.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path,
+                          options=settings) as proxy:  # fmt: skip
+                histories: dict[str, list[dict]] = {}
+
+                def turn(session: str) -> None:
+                    client = openai.OpenAI(
+                        base_url=proxy.url + f"/sessions/{session}/v1", api_key="sk-x", max_retries=0
+                    )
+                    messages = histories.setdefault(session, [{"role": "user", "content": f"Weather for {session}?"}])
+                    reply = client.chat.completions.create(model=MODEL[kind], messages=messages)
+                    messages += [
+                        reply.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "user", "content": "?"},
+                    ]
+
+                for n in range(6):
+                    turn(f"early-{n}")
+                assert not e2.generated()
+                gateway.add_engine(e2.url)
+                for n in range(24):  # new sessions until one lands on the added engine (each misses it 1 time in 3)
+                    turn(f"late-{n}")
+                    if e2.generated():
+                        break
+                assert e2.generated(), "no new session went to the added engine"
+                gateway.remove_engine(e0.url)
+                before = len(e0.generated())
+                for session in list(histories):
+                    turn(session)
+                assert len(e0.generated()) == before  # removed: no generation on it since
+    sessions = {f.turns[0].session_id: f for f in iter_session_files(tmp_path / "rec") if f.turns}
+    assert all(len(f.turns) == 2 for f in sessions.values()), {s: len(f.turns) for s, f in sessions.items()}

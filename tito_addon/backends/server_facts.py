@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.tito_errors import TitoError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,35 @@ async def ask_served_models(client: UpstreamClient, base_url: str, headers: dict
     names = tuple(card["id"] for card in cards if isinstance(card.get("id"), str))
     found = cards[0].get("max_model_len") if cards else None
     if isinstance(found, bool) or not isinstance(found, int) or found <= 0:
+        found = await workers_context_length(client, base_url, headers)
+    if found is None:
         logger.warning("tito: %s did not say its context length; completion budgets go as asked", base_url)
         return ServedModels(names)
     logger.info("tito: %s serves %s with a context of %d tokens", base_url, ", ".join(names) or "a model", found)
     return ServedModels(names, found)
+
+
+async def workers_context_length(client: UpstreamClient, base_url: str, headers: dict[str, str]) -> int | None:
+    """The context length a router's engines have, where the router writes `/v1/models` itself (smg's lists no
+    `max_model_len`) and lists its engines at `/workers` (smg: each engine's `models[].context_length`, or its
+    `labels.max_model_len`): the least of them, so a budget fits every engine a turn may run on. None where there is
+    no such list (an engine itself answers 404)."""
+    try:
+        response = await client.get(base_url + "/workers", headers)
+        workers = response.json().get("workers") if response.status == 200 else None
+    except (TitoError, ValueError, AttributeError):
+        return None
+    lengths = []
+    for worker in workers if isinstance(workers, list) else []:
+        if not isinstance(worker, dict):
+            continue
+        models, labels = worker.get("models"), worker.get("labels")
+        said = [model.get("context_length") for model in models or () if isinstance(model, dict)]
+        said.append(labels.get("max_model_len") if isinstance(labels, dict) else None)
+        for value in said:
+            if isinstance(value, str) and value.isdigit():
+                value = int(value)
+            if type(value) is int and value > 0:
+                lengths.append(value)
+                break
+    return min(lengths) if lengths else None

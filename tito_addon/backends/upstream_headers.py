@@ -44,8 +44,13 @@ def forwarded_headers(headers: Mapping[str, str], own: str) -> dict[str, str]:
 #: The engine routers the proxy knows, and the header each keys a session on (lower-case), for the sticky policies
 #: that keep a session's requests on one engine: vllm-router's `consistent_hash` and `sticky_least_loaded` read
 #: `X-Session-ID` first (then other headers and body fields, else a hash of the whole body, which differs every turn).
+#: smg (the sglang model gateway, 1.x) reads `X-SMG-Routing-Key` under its `manual` and `consistent_hashing` policies.
 #: `none`: one engine, or a router the proxy sets no key for.
-ROUTER_SESSION_KEYS: dict[str, str | None] = {"none": None, "vllm-router": "x-session-id"}
+ROUTER_SESSION_KEYS: dict[str, str | None] = {
+    "none": None,
+    "vllm-router": "x-session-id",
+    "smg": "x-smg-routing-key",
+}
 
 
 def with_router_key(headers: dict[str, str], key: str | None, session_id: str) -> dict[str, str]:
