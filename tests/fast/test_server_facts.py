@@ -72,7 +72,7 @@ class FailingClient:
         return UpstreamResponse(404, "application/json", b'{"detail": "Not Found"}')
 
 
-@pytest.mark.parametrize("error", [None, UpstreamUnavailable("refused"), ValueError("not JSON")])
+@pytest.mark.parametrize("error", [None, ValueError("not JSON")])
 async def test_a_server_that_does_not_say_its_version_is_asked_once(error: Exception | None) -> None:
     """Kept as unknown: vLLM then uses only the 0.24 wire features, sglang verifies the echo every turn."""
     vllm_client, sglang_client = FailingClient(error), FailingClient(error)
@@ -84,6 +84,23 @@ async def test_a_server_that_does_not_say_its_version_is_asked_once(error: Excep
         assert [server.version for server in said] == [None] * 3
     assert vllm_client.gets == ["http://v/version"]
     assert sglang_client.gets == ["http://s/server_info", "http://s/get_server_info"]
+
+
+async def test_a_server_out_of_reach_is_not_taken_for_one_that_does_not_say() -> None:
+    """A refused or reset probe (an engine down when the proxy first asks, one of a list or behind a router) keeps
+    nothing: kept as unknown, vLLM would run on the 0.24 wire features for the proxy's life."""
+    for make in (VllmBackend, SglangBackend):
+        client = FailingClient(UpstreamUnavailable("refused"))
+        backend = make(client)
+        facts = backend.versions if isinstance(backend, VllmBackend) else backend.servers
+        for asked in (1, 2):
+            with pytest.raises(UpstreamUnavailable):
+                await facts.get("http://b", {})
+            assert len(client.gets) == asked, f"{make.__name__}: an unreachable server is asked again"
+        client.error = None  # it is up: what it says (nothing, here) is kept from now on
+        await facts.get("http://b", {})
+        await facts.get("http://b", {})
+        assert len(client.gets) == 2 + (1 if make is VllmBackend else 2)
 
 
 async def test_a_probe_that_raises_keeps_nothing_and_the_next_turn_asks_again() -> None:

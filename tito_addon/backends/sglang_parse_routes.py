@@ -21,7 +21,7 @@ from typing import Any
 
 from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.backends.upstream_client import UpstreamClient
-from tito_addon.tito_errors import TitoError, UpstreamMalformed
+from tito_addon.tito_errors import TitoError, UpstreamMalformed, UpstreamUnavailable
 
 THINK_START = "<think>"
 
@@ -170,6 +170,8 @@ async def ask_server(client: UpstreamClient, base_url: str, headers: dict[str, s
         try:
             response = await client.get(base_url + route, headers)
             info = response.json() if response.status == 200 else None
+        except UpstreamUnavailable:
+            raise  # nothing kept: the next turn asks again (an engine down at the first probe is not an old one)
         except (TitoError, ValueError):
             continue
         if isinstance(info, dict):
