@@ -17,7 +17,7 @@ from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.fleet import SmgGateway, VllmRouter
+from tito_addon.replicas.engine_routers import SmgGateway, VllmRouter
 from tito_addon.replicas.sglang_replica import MODEL_ID as SGLANG_MODEL
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
