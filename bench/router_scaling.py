@@ -1,19 +1,20 @@
 """Many engines behind a router (issue 44): turns per second through one proxy with one, two and three engines behind
 vllm-router, against the same proxy straight to one engine, and the latency the router hop adds to one turn.
 
-    .venv/bin/python bench/router_scaling.py [--agents 32] [--turns 6] [--latency 0.05]
+    .venv/bin/python bench/router_scaling.py [--agents 32] [--turns 12] [--latency 0.05] [--rounds 3]
 
 Each engine is the sglang reference backend in a process of its own (`python -m tito_addon reference-backend`),
 answering every chat call after `--latency` seconds (a generation's time; it serves calls side by side, so the
 proxy and the router are what can limit the rate). Agents are threads of this process with openai-python, each naming
-its session and running `--turns` turns; every configuration runs the same agents in the same run. Prints one JSON
-line per configuration: turns, seconds, turns per second and its ratio to the direct one-engine run; then the median
-latency of one agent's sequential turns, direct and through the router, and what the hop adds.
+its session and running `--turns` turns; the configurations run in interleaved rounds in one run. Prints one JSON line
+per configuration: turns, the median seconds, turns per second and the ratio to the direct one-engine run; then the
+median latency of one agent's sequential turns, direct and through the router, and what the hop adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -90,44 +91,48 @@ def turn_latencies(proxy: Mitmdump, turns: int, tag: str) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--agents", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=12)
     parser.add_argument("--latency", type=float, default=0.05)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     engines = [Engine(args.latency) for _ in range(3)]
-    results = []
+    seconds: dict[str, list[float]] = {}
+    latency: dict[str, list[float]] = {"direct": [], "via_router": []}
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             work = Path(tmp)
 
             def proxy_to(url: str, name: str, router: bool) -> Mitmdump:
                 (work / name).mkdir()
                 options = {"tito_router": "vllm-router"} if router else {}
-                return Mitmdump(url, tokenizer=tokenizer_path("qwen3"), record_dir=work / name / "rec",
-                                cwd=work / name, options={**options, "flow_detail": "0"})  # fmt: skip
+                proxy = Mitmdump(url, tokenizer=tokenizer_path("qwen3"), record_dir=work / name / "rec",
+                                 cwd=work / name, options={**options, "flow_detail": "0"})  # fmt: skip
+                return stack.enter_context(proxy)
 
-            with proxy_to(engines[0].url, "direct", False) as proxy:
-                run_agents(proxy, 4, 2, "warm-direct")
-                direct = run_agents(proxy, args.agents, args.turns, "direct")
-                direct_latency = turn_latencies(proxy, 20, "lat-direct")
-            total = args.agents * args.turns
-            results.append({"config": "direct, 1 engine", "turns": total, "seconds": round(direct, 2),
-                            "turns_per_s": round(total / direct, 1), "ratio": 1.0})  # fmt: skip
+            proxies = {"direct, 1 engine": proxy_to(engines[0].url, "direct", False)}
             for count in (1, 2, 3):
-                with VllmRouter([e.url for e in engines[:count]]) as router:
-                    with proxy_to(router.url, f"router{count}", True) as proxy:
-                        run_agents(proxy, 4, 2, f"warm-{count}")
-                        took = run_agents(proxy, args.agents, args.turns, f"router{count}")
-                        if count == 1:
-                            router_latency = turn_latencies(proxy, 20, "lat-router")
-                results.append({"config": f"vllm-router, {count} engine(s)", "turns": total,
-                                "seconds": round(took, 2), "turns_per_s": round(total / took, 1),
-                                "ratio": round(direct / took, 3)})  # fmt: skip
+                router = stack.enter_context(VllmRouter([e.url for e in engines[:count]]))
+                proxies[f"vllm-router, {count} engine(s)"] = proxy_to(router.url, f"router{count}", True)
+            for name, proxy in proxies.items():
+                run_agents(proxy, 4, 2, f"warm-{name}")
+            # Interleaved rounds: each configuration meets the machine's drift alike.
+            for round_ in range(args.rounds):
+                for name, proxy in proxies.items():
+                    took = run_agents(proxy, args.agents, args.turns, f"r{round_}-{name}")
+                    seconds.setdefault(name, []).append(took)
+                latency["direct"] += turn_latencies(proxies["direct, 1 engine"], 10, f"lat-d{round_}")
+                latency["via_router"] += turn_latencies(proxies["vllm-router, 1 engine(s)"], 10, f"lat-r{round_}")
     finally:
         for engine in engines:
             engine.stop()
-    for line in results:
-        print(json.dumps(line))
-    direct_ms, router_ms = statistics.median(direct_latency) * 1000, statistics.median(router_latency) * 1000
+    total = args.agents * args.turns
+    base = statistics.median(seconds["direct, 1 engine"])
+    for name, runs in seconds.items():
+        took = statistics.median(runs)
+        print(json.dumps({"config": name, "turns": total, "median_s": round(took, 2),
+                          "turns_per_s": round(total / took, 1), "ratio": round(base / took, 3)}))  # fmt: skip
+    direct_ms = statistics.median(latency["direct"]) * 1000
+    router_ms = statistics.median(latency["via_router"]) * 1000
     print(json.dumps({"one_turn_median_ms": {"direct": round(direct_ms, 1), "via_router": round(router_ms, 1),
                                              "router_hop_ms": round(router_ms - direct_ms, 1),
                                              "engine_latency_ms": args.latency * 1000}}))  # fmt: skip
