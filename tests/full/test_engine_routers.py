@@ -267,3 +267,47 @@ def test_an_engine_added_takes_new_sessions_and_one_removed_drains(tmp_path: Pat
                 assert len(e0.generated()) == before  # removed: no generation on it since
     sessions = {f.turns[0].session_id: f for f in iter_session_files(tmp_path / "rec") if f.turns}
     assert all(len(f.turns) == 2 for f in sessions.values()), {s: len(f.turns) for s, f in sessions.items()}
+
+
+def test_bad_cases_behind_the_router_are_clear_errors_and_record_nothing(tmp_path: Path) -> None:
+    """The router down, every engine behind it down, an engine answering 200 with a body of another kind: each reaches
+    the agent as an error in its own API (openai-python's and Anthropic's exceptions) after the bounded retries where
+    a retry can help, and nothing is recorded."""
+    import anthropic
+
+    with engine_of("vllm") as e0, engine_of("vllm") as e1:
+        router = VllmRouter([e0.url, e1.url])
+        router.start()
+        settings = {"tito_backend_kind": "vllm", "tito_router": "vllm-router", "tito_failover_backoff_ms": "100"}
+        record_dir = tmp_path / "rec"
+        try:
+            with Mitmdump(router.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
+                          options=settings) as proxy:  # fmt: skip
+                chat = openai.OpenAI(base_url=proxy.url + "/sessions/bad/v1", api_key="sk-x", max_retries=0)
+                claude = anthropic.Anthropic(base_url=proxy.url + "/sessions/bad", api_key="sk-x", max_retries=0)
+                question = [{"role": "user", "content": "Weather?"}]
+                chat.chat.completions.create(model="m", messages=question)  # the facts are known; one turn recorded
+                # an engine that answers 200 with a body of another kind: no retry can mend it
+                for engine in (e0, e1):
+                    engine.set_faults(["derender:not_chat"])
+                with pytest.raises(openai.APIStatusError) as bad_body:
+                    chat.chat.completions.create(model="m", messages=[{"role": "user", "content": "Other?"}])
+                assert bad_body.value.status_code == 502 and "without a message" in str(bad_body.value)
+                # every engine down behind a live router: its 5xx, after the retries
+                e0.kill()
+                e1.kill()
+                began = time.monotonic()
+                with pytest.raises(anthropic.APIStatusError) as all_down:
+                    claude.messages.create(model="m", max_tokens=32, messages=[{"role": "user", "content": "Rain?"}])
+                assert all_down.value.status_code >= 500 and time.monotonic() - began >= 0.1 + 0.2 + 0.4
+                # the router itself down
+                router.stop()
+                with pytest.raises(openai.APIStatusError) as no_router:
+                    chat.chat.completions.create(model="m", messages=[{"role": "user", "content": "Snow?"}])
+                assert no_router.value.status_code == 502 and "unreachable" in str(no_router.value)
+                log = proxy.output()
+        finally:
+            router.stop()
+    (session,) = [f for f in iter_session_files(record_dir) if f.turns]
+    assert len(session.turns) == 1  # only the first turn: nothing of the failed ones
+    assert log.count("sending the call again") >= 6, log[-3000:]
