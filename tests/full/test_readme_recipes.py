@@ -41,7 +41,7 @@ import pytest
 from support.agent_cli_stack import HostLoopback, Network, agent_clis, base_env, network  # noqa: F401 (fixtures)
 from support.basics import SHARED, wait_until
 from support.proxy_harness import REPO
-from support.readme_recipes import recipes
+from support.readme_recipes import engine_recipes, recipes
 
 from tito_addon.records.record_reader import iter_session_files
 
@@ -282,3 +282,64 @@ def test_getting_started_runs_as_written(network: Network, agent_clis: Path, tmp
         lines = verl_step.stdout.splitlines()
         assert lines == [f"group {t}: reward 1.00, largest |advantage| 0.000" for t in DRIVER_TASKS
                          for _ in range(DRIVER_SAMPLES)], ran(verl_step)  # fmt: skip
+
+
+def routed(scratch: Scratch, router: str) -> list[str]:
+    """The engines the recipe's router routes to now (as a person would check before starting agents)."""
+    if router == "smg":
+        workers = scratch.get_json("http://127.0.0.1:8100/workers").get("workers", [])
+        return [w["url"] for w in workers if w.get("is_healthy") and w.get("status", "ready") == "ready"]
+    return scratch.get_json("http://127.0.0.1:8100/list_workers").get("urls", [])
+
+
+@pytest.mark.full
+@pytest.mark.serial  # the routers' and engines' fixed ports, in a namespace of its own
+@pytest.mark.parametrize(("kind", "router", "engines"), [("vllm", "vllm", (8000, 8001, 8002)),
+                                                          ("sglang", "smg", (30000, 30001, 30002))])  # fmt: skip
+def test_many_engines_recipes_run_as_written(
+    network: Network,  # noqa: F811
+    tmp_path: Path,
+    kind: str,
+    router: str,
+    engines: tuple[int, ...],
+) -> None:
+    """Many engines' recipes for one router, as written: three stand-in engines, the router over two, the proxy, then
+    an agent's session, the third engine added and the first removed through the router's own API, and a second
+    session. Both sessions are recorded token-exact against what the engines say they generated; the one after the
+    removal ran on none of the first engine's generations."""
+    if isinstance(network, HostLoopback):
+        pytest.skip("the recipes' fixed ports need a network namespace of their own")
+    if not (SHARED / "tokenizers" / "qwen3").is_dir() or not (REPO / ".venv" / "bin" / "activate").is_file():
+        pytest.skip("the recipes run beside ../shared/tokenizers, in the repository's .venv (make venv)")
+    blocks = engine_recipes()
+    scratch = Scratch(tmp_path / "ws", network, base_env(tmp_path / "home", Path("/nonexistent")))
+    try:
+        started = {name: scratch.start(name, blocks[name]) for name in (f"engines-{kind}", f"router-{router}")}
+        for port in engines:
+            up = wait_until(lambda p=port: scratch.listening(p), timeout=90)
+            assert up, scratch.log(f"engines-{kind}")[-4000:]
+        up = wait_until(lambda: scratch.listening(8100) and len(routed(scratch, router)) == 2, timeout=60)
+        assert up and started[f"router-{router}"].poll() is None, scratch.log(f"router-{router}")[-4000:]
+        proxy = scratch.start(f"proxy-{router}", blocks[f"proxy-{router}"])
+        up = wait_until(lambda: proxy.poll() is not None or scratch.listening(PROXY), timeout=90)
+        assert up and proxy.poll() is None, scratch.log(f"proxy-{router}")[-4000:]
+        turns = scratch.run(f"turns-{router}", blocks[f"turns-{router}"])
+        assert turns.returncode == 0, (ran(turns), scratch.log(f"proxy-{router}")[-4000:])
+        generated = [scratch.get_json(f"http://127.0.0.1:{port}/_replica/generated") for port in engines]
+    finally:
+        scratch.stop()
+    ran_on: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for index, entries in enumerate(generated):
+        for entry in entries:
+            ran_on.setdefault((tuple(entry["prompt_ids"]), tuple(entry["completion_ids"])), []).append(index)
+    sessions = {f.turns[0].session_id: f for f in iter_session_files(scratch.root / "recordings") if f.turns}
+    assert set(sessions) == {"paris", "oslo"}, sorted(sessions)
+    for name, session in sessions.items():
+        ids = session.full_ids()
+        assert len(session.turns) >= 2  # a tool call and the answer
+        for turn in session.turns:
+            prompt, completion = ids[turn.turn_id]
+            where = ran_on.get((tuple(prompt), tuple(completion)), [])
+            assert where, (name, turn.turn_id)  # token-exact, by an engine's own log
+            if name == "oslo":
+                assert 0 not in where, (name, turn.turn_id, where)  # removed before this session began

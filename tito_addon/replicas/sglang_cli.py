@@ -1,4 +1,5 @@
-"""``python -m tito_addon reference-backend``: the sglang replica as a server process, steered from the command line.
+"""``python -m tito_addon reference-backend``: the sglang replica (or, with ``--kind vllm``, the vLLM one) as a server
+process, steered from the command line.
 
 The flags map onto :class:`~tito_addon.replicas.sglang_config.ReplicaConfig`; the process prints the URL it listens on
 (and writes the port to ``--port-file``) and stops cleanly on SIGTERM or SIGINT.
@@ -17,12 +18,14 @@ from typing import Any
 
 from tito_addon.replicas.sglang_config import ReplicaConfig
 from tito_addon.replicas.sglang_replica import ReferenceBackend
+from tito_addon.replicas.vllm_config import VllmReplicaConfig
+from tito_addon.replicas.vllm_replica import VllmReplica
 
 __all__ = ["main"]
 
 
-async def _serve(config: ReplicaConfig, host: str, port: int, port_file: str | None) -> None:
-    backend = ReferenceBackend(config)
+async def _serve(config: ReplicaConfig | VllmReplicaConfig, host: str, port: int, port_file: str | None) -> None:
+    backend = ReferenceBackend(config) if isinstance(config, ReplicaConfig) else VllmReplica(config)
     bound = await backend.start(host, port)
     shown = f"[{host}]" if ":" in host else host
     print(f"reference backend listening on http://{shown}:{bound}", flush=True)
@@ -54,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         """--call-tool 'Bash={"command": "ls"}' --tool-rounds 3 (Codex: exec_command={"cmd": "ls"}).""",
     )
     ap.add_argument("--tokenizer", required=True, help="HF tokenizer directory or hub name")
+    ap.add_argument(
+        "--kind",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help="the protocol it speaks: sglang's chat endpoint with input_ids, or vLLM 0.32's render, generate and "
+        "derender (a stand-in for the engines behind a router; only --host, --port, --port-file and --latency "
+        "apply to it)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000, help="0 = any free port")
     ap.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
@@ -119,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tool-budget must be 0 or more")
     if args.context_length < 2:
         ap.error("--context-length must be 2 or more")
-    config = ReplicaConfig(
+    config: ReplicaConfig | VllmReplicaConfig = ReplicaConfig(
         tokenizer=args.tokenizer,
         honor_input_ids=not args.old_sglang,
         latency_s=args.latency,
@@ -131,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         context_length=args.context_length,
         **({"summary_text": args.summary_answer} if args.summary_answer is not None else {}),
     )
+    if args.kind == "vllm":
+        config = VllmReplicaConfig(tokenizer=args.tokenizer, latency_s=args.latency)
     try:
         asyncio.run(_serve(config, args.host, args.port, args.port_file))
     except KeyboardInterrupt:  # pragma: no cover - signal handler normally catches it

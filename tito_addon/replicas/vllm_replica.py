@@ -91,6 +91,7 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
         self.app.router.add_post(_RENDER, self._render)
         self.app.router.add_post(_GENERATE, self._generate)
         self.app.router.add_post(_DERENDER, self._derender)
+        self.app.router.add_get("/_replica/generated", self._replica_generated)
         self.pause = EnginePause()
         if config.dev_mode:
             self.app.router.add_post("/pause", self._pause)
@@ -145,6 +146,10 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
         return None
 
     # ----------------------------------------------------------------- small endpoints
+    async def _replica_generated(self, request: web.Request) -> web.Response:
+        # What a separate process (a README recipe) compares its records with: the ids of each generation.
+        return json_response(self.generated_copy())
+
     async def _version(self, request: web.Request) -> web.Response:
         return json_response({"version": self.config.version})
 
