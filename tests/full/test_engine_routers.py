@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from support.basics import tokenizer_path
+from support.engine_logs import generations, run_turns
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
@@ -81,27 +82,14 @@ def engines_of_sessions(
     return placed
 
 
-def agent(
-    proxy: Mitmdump,
-    n: int,
-    failures: list[BaseException],
-    turns: int = TURNS,
-    streams: bool = False,
-    model: str = "m",
-) -> None:
+def agent(proxy: Mitmdump, n: int, failures: list[BaseException], model: str = "m") -> None:
     """Agent `n`: every other one names its session."""
     headers = {"x-session-id": f"named-{n}"} if n % 2 == 0 else None
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", default_headers=headers, max_retries=0)
     messages: list[dict] = [{"role": "user", "content": f"Agent {n}: what is the weather in city number {n}?"}]
     try:
-        for turn in range(turns):
-            if streams:
-                with client.chat.completions.stream(model=model, messages=messages) as events:
-                    for _ in events:
-                        pass
-                    message = events.get_final_completion().choices[0].message
-            else:
-                message = client.chat.completions.create(model=model, messages=messages).choices[0].message
+        for turn in range(TURNS):
+            message = client.chat.completions.create(model=model, messages=messages).choices[0].message
             messages += [message.model_dump(exclude_none=True), {"role": "user", "content": f"{turn}?"}]
     except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
         failures.append(exc)
@@ -138,14 +126,35 @@ def wait_for(condition, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+class Agent:
+    """Agent `n` of the kill test, turn by turn: every other one names its session; `streams`: it asks for streams."""
+
+    def __init__(self, proxy: Mitmdump, n: int, model: str, streams: bool) -> None:
+        headers = {"x-session-id": f"named-{n}"} if n % 2 == 0 else None
+        self.client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", default_headers=headers, max_retries=0)
+        self.messages: list[dict] = [{"role": "user", "content": f"Agent {n}: what is the weather in city {n}?"}]
+        self.model, self.streams = model, streams
+
+    def turn(self) -> None:
+        if self.streams:
+            with self.client.chat.completions.stream(model=self.model, messages=self.messages) as events:
+                for _ in events:
+                    pass
+                message = events.get_final_completion().choices[0].message
+        else:
+            message = self.client.chat.completions.create(model=self.model, messages=self.messages).choices[0].message
+        self.messages += [message.model_dump(exclude_none=True), {"role": "user", "content": "And then?"}]
+
+
 @pytest.mark.parametrize(("router", "kind"), [("vllm-router", "vllm"), ("vllm-router", "sglang"), ("smg", "sglang")])
 def test_an_engine_killed_mid_run_loses_no_turn_behind_a_router(tmp_path: Path, router: str, kind: str) -> None:
-    """Twelve agents (on vLLM a third stream) run four turns each through proxy -> router -> three engines; one
-    engine is killed with turns in flight on it. What the router hands back failed (a 500 where it retried the dead
-    sticky engine; it re-routes some calls itself, depending on timing) the proxy sends again, a vLLM stream cut
-    halfway goes on from its tokens, and no agent sees an error. Every turn is recorded once, token-exact, and the dead
-    engine's sessions continue on the others; where each ran is read from the engines' own logs. (An sglang chat stream
-    says its ids only at its end, so one cut halfway cannot go on: sglang's agents here ask for whole answers.)"""
+    """Twelve agents (on vLLM a third stream) run four turns each through proxy -> router -> three engines; after
+    their first turns, the engine that served the most is killed with turns in flight on it. What the router hands back
+    failed (a 500 where it retried the dead sticky engine; it re-routes some calls itself, depending on timing) the
+    proxy sends again, a vLLM stream cut halfway goes on from its tokens, and no agent sees an error. Every turn is
+    recorded once, token-exact, and the dead engine's sessions continue on the others; where each ran is read from the
+    engines' own logs. (An sglang chat stream says its ids only at its end, so one cut halfway cannot go on: sglang's
+    agents here ask for whole answers.)"""
     with engine_of(kind, token_delay_s=0.02) as e0, engine_of(kind, token_delay_s=0.02) as e1, \
             engine_of(kind, token_delay_s=0.02) as e2:  # fmt: skip
         engines = [e0, e1, e2]
@@ -155,29 +164,23 @@ def test_an_engine_killed_mid_run_loses_no_turn_behind_a_router(tmp_path: Path, 
             with Mitmdump(gateway.url, tokenizer=tokenizer_path("qwen3"), record_dir=record_dir, cwd=tmp_path,
                           options=settings) as proxy:  # fmt: skip
                 failures: list[BaseException] = []
-                agents = [
-                    threading.Thread(
-                        target=agent,
-                        args=(proxy, n, failures, 4, kind == "vllm" and n % 3 == 0),
-                        kwargs={"model": MODEL[kind]},
-                    )
-                    for n in range(SESSIONS)
-                ]
-                for thread in agents:
-                    thread.start()
-                # Once engine 0 serves sessions, it is paused for a second (each of its sessions' turns is then held
-                # in its generation), then killed: turns in flight die with it, whatever the timing.
-                wait_for(lambda: len(e0.generated()) >= 2)
-                e0.on_loop(e0.backend.pause.pause("keep" if kind == "vllm" else "in_place"))
+                agents = [Agent(proxy, n, MODEL[kind], kind == "vllm" and n % 3 == 0) for n in range(SESSIONS)]
+                for thread in run_turns(agents, 1, failures):
+                    thread.join(120)
+                assert not failures, failures
+                victim = max(range(3), key=lambda i: len(engines[i].generated()))
+                served = len(engines[victim].generated())
+                threads = run_turns(agents, 3, failures)
+                # Once the next turns run on it, it is paused for a second (each of its sessions' turns is then held
+                # in its generation), then killed: turns in flight die with it.
+                wait_for(lambda: len(engines[victim].generated()) > served)
+                engines[victim].on_loop(engines[victim].backend.pause.pause("keep" if kind == "vllm" else "in_place"))
                 time.sleep(1.0)
-                e0.kill()
-                for thread in agents:
+                engines[victim].kill()
+                for thread in threads:
                     thread.join(180)
                 assert not failures, failures
-        generated: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
-        for index, engine in enumerate(engines):
-            for entry in engine.generated():
-                generated.setdefault(tuple(entry["prompt_ids"]), []).append((index, list(entry["completion_ids"])))
+        generated = generations(engines)
     sessions = [s for s in iter_session_files(record_dir) if s.turns]
     assert len(sessions) == SESSIONS and all(len(s.turns) == 4 for s in sessions), [len(s.turns) for s in sessions]
     moved = 0
@@ -196,8 +199,8 @@ def test_an_engine_killed_mid_run_loses_no_turn_behind_a_router(tmp_path: Path, 
                 found = {i for i, done in rest if turn.completion_ids[cut:] == done[: len(turn.completion_ids) - cut]}
             assert found, (turn.session_id, turn.turn_id)
             ran.append(found)
-        moved += 0 in ran[0] and 0 not in ran[-1]
-    # the dead engine's sessions went on elsewhere (the proxy sent again what the router failed, where it did)
+        moved += victim in ran[0] and victim not in ran[-1]
+    # the dead engine's sessions (their first turn on it) went on elsewhere
     assert moved >= 1, moved
 
 

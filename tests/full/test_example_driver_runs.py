@@ -45,7 +45,8 @@ def test_a_second_run_never_touches_the_first_runs_episodes(tmp_path: Path) -> N
                         "after_close": "refuse", "proxy_auth_password_required": False, "backend_kind": "sglang",
                         "model_family": "qwen3", "tokenizer": tokenizer_path("qwen3"),
                         "generations_cut": {"resuming": 0, "resumed": 0, "cuts": 0},
-                        "turns_in_flight": {"count": 0, "oldest_s": None}}  # fmt: skip
+                        "turns_in_flight": {"count": 0, "oldest_s": None}, "router": "none",
+                        "engines": None}  # fmt: skip
         records_before, generated = files_of(record_dir), len(replica.generated())
 
         started = time.monotonic()

@@ -6,7 +6,6 @@ agent sees an error, every turn still token-exact, its sessions going on elsewhe
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import openai
 import pytest
 from support.anthropic_agent import echo as anthropic_echo
 from support.basics import tokenizer_path
+from support.engine_logs import generations, run_turns
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
@@ -59,27 +59,10 @@ class Agent:
         self.turns += 1
 
 
-def run_turns(agents: list[Agent], turns: int, failures: list[BaseException]) -> list[threading.Thread]:
-    def run(agent: Agent) -> None:
-        try:
-            for _ in range(turns):
-                agent.turn()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            failures.append(exc)
-
-    threads = [threading.Thread(target=run, args=(agent,)) for agent in agents]
-    for thread in threads:
-        thread.start()
-    return threads
-
-
 def engines_of_turns(engines: list, record_dir: Path) -> dict[str, list[set[int]]]:
     """Per recorded session, in turn order, the engines that generated exactly each turn's recorded completion on its
     exact prompt (a turn's generate may have ended on an engine that then died, its derender run on another)."""
-    generated: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
-    for index, engine in enumerate(engines):
-        for entry in engine.generated():
-            generated.setdefault(tuple(entry["prompt_ids"]), []).append((index, list(entry["completion_ids"])))
+    generated = generations(engines)
     placed: dict[str, list[set[int]]] = {}
     for session in iter_session_files(record_dir):
         ids = session.full_ids()

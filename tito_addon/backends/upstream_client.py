@@ -53,9 +53,9 @@ class UpstreamClient:
         # The proxy's own environment (HTTP_PROXY and the like) never reroutes a backend call.
         self._pool = ConnectionPool()
 
-    def turn_log(self, session_id: str) -> FailoverLog:
-        """The failover log of a turn of this session: its engines in order, where there is a list."""
-        return FailoverLog.for_session(self.engines, session_id)
+    def _unlogged(self) -> FailoverLog:
+        """The log of a call no turn logs (a facts probe): a fixed list's engines in one order for every such call."""
+        return FailoverLog.for_session(self.engines, "")
 
     async def post_json(
         self, url: str, body: Mapping[str, Any], headers: Mapping[str, str], log: FailoverLog | None = None
@@ -87,12 +87,21 @@ class UpstreamClient:
     ) -> UpstreamResponse:
         """One call, sent again while the failover policy allows when a dead engine broke it (`engine_failover`):
         then the last answer, or the last error."""
-        log = log if log is not None else self.turn_log("")
+        log = log if log is not None else self._unlogged()
         retry = 0
         while True:
             target = log.url(url)
             try:
-                response = await self._once(method, target, headers, payload, ours)
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        async with await self._pool.send(method, target, headers, payload, ours) as exchange:
+                            data = await exchange.read()
+                            response = UpstreamResponse(exchange.status, exchange.headers.get("content-type"), data)
+                except TimeoutError as exc:
+                    shown = _without_credentials(target)
+                    raise UpstreamTimeout(f"backend did not answer within {self.timeout_s:g} s ({shown})") from exc
+                except HttpError as exc:
+                    raise _unavailable(exc, target) from exc
             except UpstreamUnavailable as exc:
                 if retry >= self.failover.retries:
                     raise
@@ -120,25 +129,6 @@ class UpstreamClient:
         if not moved:
             await asyncio.sleep(self.failover.backoff(retry))
 
-    async def _once(
-        self,
-        method: str,
-        url: str,
-        headers: Mapping[str, str],
-        payload: bytes | Sequence[bytes] | None,
-        ours: Mapping[str, str],
-    ) -> UpstreamResponse:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with await self._pool.send(method, url, headers, payload, ours) as exchange:
-                    data = await exchange.read()
-                    return UpstreamResponse(exchange.status, exchange.headers.get("content-type"), data)
-        except TimeoutError as exc:
-            shown = _without_credentials(url)
-            raise UpstreamTimeout(f"backend did not answer within {self.timeout_s:g} s ({shown})") from exc
-        except HttpError as exc:
-            raise _unavailable(exc, url) from exc
-
     async def sse_events(
         self,
         url: str,
@@ -152,7 +142,7 @@ class UpstreamClient:
         A non-200 answer raises UpstreamPassthrough before anything is yielded. A stream a dead engine broke before
         its first event is asked for again as the failover policy allows; one broken later raises StreamCut. Closing
         the generator closes the upstream connection, which is how a disconnected agent cancels its generation."""
-        log = log if log is not None else self.turn_log("")
+        log = log if log is not None else self._unlogged()
         payload = dumps(body) if isinstance(body, Mapping) else body
         retry = 0
         while True:
