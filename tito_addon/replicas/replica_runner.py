@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from aiohttp import web
@@ -58,6 +61,29 @@ class ServedApp:
             if handler.transport is not None:
                 handler.transport.abort()
         await self.stop()
+
+
+async def serve_until_stopped(backend: ServedApp, host: str, port: int, port_file: str | None) -> None:
+    """A replica as a server process (`python -m tito_addon reference-backend`): bound, its URL printed (and its port
+    written to `port_file`), served until SIGTERM or SIGINT, then stopped."""
+    bound = await backend.start(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"reference backend listening on http://{shown}:{bound}", flush=True)
+    if port_file:
+        tmp = Path(port_file + ".tmp")
+        tmp.write_text(f"{bound}\n")
+        os.replace(tmp, port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread / Windows
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await backend.stop()
 
 
 class BackendThread:

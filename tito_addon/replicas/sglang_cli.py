@@ -1,5 +1,4 @@
-"""``python -m tito_addon reference-backend``: the sglang replica (or, with ``--kind vllm``, the vLLM one) as a server
-process, steered from the command line.
+"""``python -m tito_addon reference-backend``: the sglang replica as a server process, steered from the command line.
 
 The flags map onto :class:`~tito_addon.replicas.sglang_config.ReplicaConfig`; the process prints the URL it listens on
 (and writes the port to ``--port-file``) and stops cleanly on SIGTERM or SIGINT.
@@ -11,39 +10,18 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
-from pathlib import Path
 from typing import Any
 
+from tito_addon.replicas.replica_runner import serve_until_stopped
 from tito_addon.replicas.sglang_config import ReplicaConfig
 from tito_addon.replicas.sglang_replica import ReferenceBackend
-from tito_addon.replicas.vllm_config import VllmReplicaConfig
-from tito_addon.replicas.vllm_replica import VllmReplica
 
 __all__ = ["main"]
 
 
-async def _serve(config: ReplicaConfig | VllmReplicaConfig, host: str, port: int, port_file: str | None) -> None:
-    backend = ReferenceBackend(config) if isinstance(config, ReplicaConfig) else VllmReplica(config)
-    bound = await backend.start(host, port)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"reference backend listening on http://{shown}:{bound}", flush=True)
-    if port_file:
-        tmp = Path(port_file + ".tmp")
-        tmp.write_text(f"{bound}\n")
-        os.replace(tmp, port_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # pragma: no cover - non-main thread / Windows
-            pass
-    try:
-        await stop.wait()
-    finally:
-        await backend.stop()
+async def _serve(config: ReplicaConfig, host: str, port: int, port_file: str | None) -> None:
+    await serve_until_stopped(ReferenceBackend(config), host, port, port_file)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("sglang", "vllm"),
         default="sglang",
         help="the protocol it speaks: sglang's chat endpoint with input_ids, or vLLM 0.32's render, generate and "
-        "derender (a stand-in for the engines behind a router; only --host, --port, --port-file and --latency "
-        "apply to it)",
+        "derender (`--kind vllm --help`: a stand-in for the engines behind a router, with fewer flags)",
     )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000, help="0 = any free port")
@@ -124,13 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         if not name or not isinstance(parsed, dict):
             ap.error(f"--call-tool {spec!r}: expected NAME=JSON, the JSON an object")
         preferred.setdefault(name, parsed)
+    if args.kind != "sglang":
+        ap.error("--kind vllm is served by the vLLM replica's own command line (tito_addon.replicas.vllm_cli)")
     if args.tool_rounds is not None and args.tool_rounds < 0:
         ap.error("--tool-rounds must be 0 or more")
     if args.tool_budget is not None and args.tool_budget < 0:
         ap.error("--tool-budget must be 0 or more")
     if args.context_length < 2:
         ap.error("--context-length must be 2 or more")
-    config: ReplicaConfig | VllmReplicaConfig = ReplicaConfig(
+    config = ReplicaConfig(
         tokenizer=args.tokenizer,
         honor_input_ids=not args.old_sglang,
         latency_s=args.latency,
@@ -142,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         context_length=args.context_length,
         **({"summary_text": args.summary_answer} if args.summary_answer is not None else {}),
     )
-    if args.kind == "vllm":
-        config = VllmReplicaConfig(tokenizer=args.tokenizer, latency_s=args.latency)
     try:
         asyncio.run(_serve(config, args.host, args.port, args.port_file))
     except KeyboardInterrupt:  # pragma: no cover - signal handler normally catches it

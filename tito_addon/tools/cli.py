@@ -392,6 +392,13 @@ def replay_command(argv: list[str]) -> int:
 
 
 def reference_backend_command(argv: list[str]) -> int:
+    """The sglang replica, or with `--kind vllm` the vLLM one: each server's replica has its own command line."""
+    finder = argparse.ArgumentParser(add_help=False)
+    finder.add_argument("--kind", default="sglang")
+    if finder.parse_known_args(argv)[0].kind == "vllm":
+        from tito_addon.replicas.vllm_cli import main as vllm_main
+
+        return vllm_main(argv)
     from tito_addon.replicas.sglang_cli import main as reference_main
 
     return reference_main(argv)
