@@ -12,12 +12,11 @@ from pathlib import Path
 import openai
 import pytest
 from support.basics import tokenizer_path
+from support.engine_logs import engine_of
 from support.proxy_harness import Mitmdump, post
 
 from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import iter_session_files
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 
@@ -25,12 +24,6 @@ QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 def question(session: str) -> list[dict]:
     """A first message of the session's own: where a turn ran is found by its prompt ids."""
     return [{"role": "user", "content": f"Weather in Paris for {session}?"}]
-
-
-def engine_of(kind: str, **config):
-    if kind == "vllm":
-        return VllmReplicaThread(VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
-    return ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
 
 
 @contextlib.contextmanager

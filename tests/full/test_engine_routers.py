@@ -13,15 +13,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from support.basics import tokenizer_path
-from support.engine_logs import generations, run_turns
+from support.basics import tokenizer_path, wait_until
+from support.engine_logs import engine_of, generations, run_turns
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.engine_routers import SmgGateway, VllmRouter
 from tito_addon.replicas.sglang_replica import MODEL_ID as SGLANG_MODEL
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 pytestmark = [pytest.mark.full]
 
@@ -36,12 +34,6 @@ def router_of(name: str, engines: list, policy: str | None = None):
     if name == "smg":
         return SmgGateway(urls, policy=policy or "manual")
     return VllmRouter(urls, policy=policy or "consistent_hash")
-
-
-def engine_of(kind: str, **config):
-    if kind == "vllm":
-        return VllmReplicaThread(VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
-    return ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
 
 
 def engines_of_sessions(
@@ -119,13 +111,6 @@ def test_without_the_key_a_sessions_turns_scatter(tmp_path: Path) -> None:
     assert sum(len(set(turns)) > 1 for turns in placed.values()) >= SESSIONS // 2, placed
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 class Agent:
     """Agent `n` of the kill test, turn by turn: every other one names its session; `streams`: it asks for streams."""
 
@@ -173,7 +158,7 @@ def test_an_engine_killed_mid_run_loses_no_turn_behind_a_router(tmp_path: Path, 
                 threads = run_turns(agents, 3, failures)
                 # Once the next turns run on it, it is paused for a second (each of its sessions' turns is then held
                 # in its generation), then killed: turns in flight die with it.
-                wait_for(lambda: len(engines[victim].generated()) > served)
+                assert wait_until(lambda: len(engines[victim].generated()) > served), "no turn ran on it"
                 engines[victim].on_loop(engines[victim].backend.pause.pause("keep" if kind == "vllm" else "in_place"))
                 time.sleep(1.0)
                 engines[victim].kill()

@@ -14,26 +14,18 @@ import openai
 import pytest
 from support.anthropic_agent import echo as anthropic_echo
 from support.basics import tokenizer_path
-from support.engine_logs import generations, run_turns
+from support.engine_logs import engine_of, generations, run_turns
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import iter_session_files
 from tito_addon.replicas.engine_routers import SmgGateway, VllmRouter
 from tito_addon.replicas.fleet import RedisServer
 from tito_addon.replicas.sglang_replica import MODEL_ID as SGLANG_MODEL
-from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
-from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 AGENTS = 64
 MODEL = {"vllm": "m", "sglang": SGLANG_MODEL}
-
-
-def engine_of(kind: str):
-    if kind == "vllm":
-        return VllmReplicaThread(VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.01))
-    return ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"), token_delay_s=0.01))
 
 
 class Agent:
@@ -79,7 +71,12 @@ def test_64_agents_two_proxies_one_router_stay_on_their_engines_and_lose_nothing
 ) -> None:
     record_dir = tmp_path / "rec"
     (tmp_path / "redis").mkdir()
-    with RedisServer(tmp_path / "redis") as redis, engine_of(kind) as e0, engine_of(kind) as e1, engine_of(kind) as e2:
+    with (
+        RedisServer(tmp_path / "redis") as redis,
+        engine_of(kind, token_delay_s=0.01) as e0,
+        engine_of(kind, token_delay_s=0.01) as e1,
+        engine_of(kind, token_delay_s=0.01) as e2,
+    ):
         engines = [e0, e1, e2]
         router = SmgGateway([e.url for e in engines]) if kind == "sglang" else VllmRouter([e.url for e in engines])
         with router:

