@@ -32,6 +32,7 @@ if __name__.startswith("__mitmproxy_script__."):
     from tito_addon.proxy.replay_addon import TitoReplay as _TitoReplay
     from tito_addon.proxy.session_addons import SessionListing as _SessionListing
     from tito_addon.proxy.session_addons import SessionSweeper as _SessionSweeper
+    from tito_addon.proxy.token_contentview import TurnViewRegistration as _TurnViewRegistration
     from tito_addon.proxy.turn_wiring import TurnWiring as _TurnWiring
 
     _wiring = _TurnWiring()
@@ -46,6 +47,7 @@ if __name__.startswith("__mitmproxy_script__."):
         _SessionSweeper(_wiring),
         _SessionListing(_wiring),
         _FlowFileRecords(_wiring),
+        _TurnViewRegistration(_wiring),  # mitmweb's and the console's "TITO turn" view of each captured turn
     ]
 else:
     __version__ = "0.1.0"

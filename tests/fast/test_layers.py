@@ -396,7 +396,7 @@ def test_loading_the_script_leaves_its_folder_off_sys_path() -> None:
         "module = load_script('tito_addon/__init__.py')\n"
         "names = [type(a).__name__ for a in module.addons]\n"
         "expected = ['ControlAddon', 'EpisodeNaming', 'TitoReplay', 'TitoAddon', 'SessionSweeper', 'SessionListing',"
-        " 'FlowFileRecords']\n"
+        " 'FlowFileRecords', 'TurnViewRegistration']\n"
         "assert module is not None and names == expected, names\n"
         "package = os.path.abspath('tito_addon')\n"
         "left = [p for p in sys.path if isinstance(p, str) and os.path.abspath(p or '.') == package]\n"

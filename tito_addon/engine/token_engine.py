@@ -9,7 +9,6 @@ cost of a continuation therefore depends on the appended messages, not on the hi
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Sequence
@@ -21,11 +20,10 @@ import orjson
 import tokenizers
 
 from tito_addon.canonical_chat import ChatMessage
-from tito_addon.engine.ascii_words import tokenizer_json
 from tito_addon.engine.model_families import ModelFamily, suggest_family
 from tito_addon.engine.role_pieces import RolePieces
 from tito_addon.engine.template_messages import template_message
-from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path, text_encoder
+from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path, text_encoder, tokenizer_sha256
 from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
 
 logger = logging.getLogger(__name__)
@@ -118,7 +116,7 @@ class TokenEngine:
         self.reasoning_end_id = end_id if tokenizer.convert_ids_to_tokens(end_id or 0) == family.reasoning_end else None
         self._tool_name_pattern = re.compile(family.tool_call_name_pattern) if family.tool_call_name_pattern else None
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
-        self.tokenizer_sha256 = self._tokenizer_sha256()
+        self.tokenizer_sha256 = tokenizer_sha256(tokenizer)
         self.pieces = RolePieces(
             self._synthetic_suffix_jinja, family=family.name, template=self.template, tokenizer=tokenizer
         )
@@ -408,13 +406,6 @@ class TokenEngine:
         if self.unterminated_ids not in tails:
             tails.append(list(self.unterminated_ids))
         return tails
-
-    def _tokenizer_sha256(self) -> str:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return hashlib.sha256(tokenizer_json(backend).encode()).hexdigest()
-        vocab = json.dumps(sorted(self.tokenizer.get_vocab().items()), ensure_ascii=False)
-        return hashlib.sha256(vocab.encode()).hexdigest()
 
     def append_only_problems(self) -> list[str]:
         """Probe each configured role: is `render(history + appended)` an extension of `render(history)`,

@@ -5,6 +5,7 @@ of it for ASCII text).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from typing import Any
 
 import tokenizers
 
-from tito_addon.engine.ascii_words import ascii_words
+from tito_addon.engine.ascii_words import ascii_words, tokenizer_json
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,16 @@ def auto_tokenizer() -> Any:
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool) -> Any:
     """Load a tokenizer only (never a model; transformers runs here without torch)."""
     return auto_tokenizer().from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """The fingerprint a record names its tokenizer by: its whole pipeline's JSON, or its vocabulary where it has no
+    Rust tokenizer underneath."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return hashlib.sha256(tokenizer_json(backend).encode()).hexdigest()
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()
 
 
 def generation_eos_ids(name_or_path: str) -> list[int]:

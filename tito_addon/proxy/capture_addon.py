@@ -3,13 +3,16 @@
 Options are the settings' own (`TitoSettings.declare_options`); each configuration is validated into settings and
 handed to the mitmproxy-free `TurnWiring`, which builds the turn service. Lifecycle hooks stay synchronous (an async
 `configure`/`running`/`done` breaks script hot reload); `request` alone is async. Every chat flow is answered here:
-an unexpected exception is a 500 JSON reply, never a raw request upstream. Sweeping sessions, listing them and
-regenerating records from flow files are addons of their own (`session_addons`, `flow_file_records`).
+an unexpected exception is a 500 JSON reply, never a raw request upstream. A committed turn's flow carries its record
+line in `flow.metadata["tito"]`, a refused one its status and error body (`["tito"]["refused"]`), for flow files and
+the content view. Sweeping sessions, listing them and regenerating records from flow files are addons of their own
+(`session_addons`, `flow_file_records`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -34,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 LIVE = "tito_live"  # a live flow's path on the live server
 AGENT_REQUEST = "tito_agent_request"  # the agent's request as it came, put back once the stream is relayed
+REFUSAL_BYTES = 4096  # of a refusal's body kept in the flow's metadata
 
 
 class TitoAddon:
@@ -115,6 +119,8 @@ class TitoAddon:
         flow.response = reply_response(reply)
         if reply.metadata:
             flow.metadata["tito"] = reply.metadata
+        elif reply.status >= 400:
+            flow.metadata["tito"] = {"refused": refusal_metadata(reply)}  # for the content view: why, no headers
 
     def _refuse_ambiguous_session(self, flow: http.HTTPFlow) -> HttpReply | None:
         """Two session headers would be joined into one id ("a, b") that names neither: refuse instead of guessing."""
@@ -205,6 +211,19 @@ class TitoAddon:
             asyncio_utils.create_task(self.wiring.aclose(), name="tito-close-upstream", keep_ref=True)
         except RuntimeError:
             pass  # no running loop: the process is exiting anyway
+
+
+def refusal_metadata(reply: HttpReply) -> dict[str, Any]:
+    """What a flow file keeps of a refusal: its status and error body (parsed when JSON), cut short; never a header,
+    so no API key or Authorization value reaches the metadata."""
+    text = reply.body[:REFUSAL_BYTES].decode("utf-8", "replace")
+    error: Any = text
+    if len(reply.body) <= REFUSAL_BYTES:
+        try:
+            error = json.loads(reply.body)
+        except ValueError:
+            pass
+    return {"status": reply.status, "error": error}
 
 
 def backend_of(wiring: TurnWiring, flow: http.HTTPFlow) -> str | None:

@@ -22,7 +22,8 @@ LISTEN = re.compile(r"listening at (?:\S+? )?\[?127\.0\.0\.1\]?:(\d+)")
 
 
 class Mitmdump:
-    """`mitmdump -s tito_addon/__init__.py` (or `python -m tito_addon`) in reverse mode, run from `cwd`."""
+    """`mitmdump -s tito_addon/__init__.py` (or `python -m tito_addon`) in reverse mode, run from `cwd`; `program`
+    runs another of mitmproxy's tools the same way (`mitmweb`)."""
 
     #: Every instance made in this process, so a test session can audit all their logs and recordings at the end.
     instances: ClassVar[list[Mitmdump]] = []
@@ -44,6 +45,7 @@ class Mitmdump:
         mode: str | None = None,
         launcher: list[str] | None = None,
         repo: Path | None = None,
+        program: str = "mitmdump",
     ) -> None:
         """`launcher` is an argv prefix the process is started under (`nsenter --net=…` runs it in another network
         namespace); the listening port is still read from its output. `repo`: another checkout of the project to
@@ -62,9 +64,9 @@ class Mitmdump:
         if via_module:
             self.argv = [sys.executable, "-m", "tito_addon", *common]
         else:
-            mitmdump = Path(sys.executable).with_name("mitmdump")
+            tool = Path(sys.executable).with_name(program)
             script = repo / "tito_addon" / "__init__.py"
-            self.argv = [str(mitmdump), "-s", str(script), "--set", "connection_strategy=lazy", *common]
+            self.argv = [str(tool), "-s", str(script), "--set", "connection_strategy=lazy", *common]
         self.argv = [*(launcher or []), *self.argv]
         # Its log is read line by line from a pipe, where Python would otherwise hold lines back in a block buffer:
         # the "listening at" line would come only at exit (a shell without PYTHONUNBUFFERED, as a newcomer's is).
