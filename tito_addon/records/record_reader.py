@@ -9,12 +9,12 @@ lines claim, makes the session unreadable as a trajectory (`RecordError`).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 from pydantic import ValidationError
 
 from tito_addon.canonical_chat import ChatMessage
@@ -133,7 +133,7 @@ def read_session_file(path: Path) -> SessionFile:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = orjson.loads(raw)  # a third of json's time on a large dir; a line is UTF-8, never NaN
             schema = obj.get("schema") if isinstance(obj, dict) else None
             if schema == TURN_SCHEMA:
                 result.turns.append(TurnRecord.model_validate(obj))

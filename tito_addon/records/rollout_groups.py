@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,9 +248,11 @@ class EpisodeView:
         return list(dict.fromkeys(segment.path[0].session_id for segment in self.segments))
 
 
-def episode_views(files: list[SessionFile]) -> list[EpisodeView]:
+def episode_views(files: list[SessionFile], auto_group: Callable[[Segment], str] | None = None) -> list[EpisodeView]:
     """Every episode of `files`, as the export groups it, without rebuilding any row's ids: only each episode's first
-    prompt is rebuilt (for its automatic group), so a session of thousands of turns is read in linear time."""
+    prompt is rebuilt (for its automatic group), so a session of thousands of turns is read in linear time.
+    `auto_group`: the automatic group of an episode's first segment, where the caller knows it without the ids (the
+    record browser keeps turns without their ids)."""
     by_episode: dict[str, list[Segment]] = {}
     for segment in episode_segments(files):
         by_episode.setdefault(segment.episode, []).append(segment)
@@ -262,6 +264,8 @@ def episode_views(files: list[SessionFile]) -> list[EpisodeView]:
         notes = segment_notes(Segment(first.session, []), segments)
         if notes.group is not None:
             group = notes.group
+        elif auto_group is not None:
+            group = auto_group(first)
         else:
             turns = turns_of.setdefault(id(first.session), {t.turn_id: t for t in first.session.turns})
             group = auto_group_of(first.path[0], prompt_ids_of(turns, first.path[0]))

@@ -11,6 +11,8 @@ python -m tito_addon audit RECORD_DIR [SELECTION] [--json OUT] [--html PAGE] [--
                                                drift against a stock re-render
     SELECTION: --session ID, --session-prefix P (both repeatable), --sessions-file FILE (one id a line);
     the named ids first, then each prefix's matches in id order; none given: every session
+python -m tito_addon view RECORD_DIR [--port N] [--tokenizer PATH] [--html OUT [--episode E]]
+                                               a web page over a record dir: episodes, trees, tokens, groups
 python -m tito_addon reference-backend ...     the built-in sglang-protocol reference backend
 python -m tito_addon demo                      an end-to-end capture against the reference backend
 python -m tito_addon verify-template --tokenizer PATH [--family NAME] [--chat-template-kwargs JSON]
@@ -404,6 +406,12 @@ def reference_backend_command(argv: list[str]) -> int:
     return reference_main(argv)
 
 
+def view_command(argv: list[str]) -> int:
+    from tito_addon.tools.record_browser import main as view_main
+
+    return view_main(argv)
+
+
 def demo_command(argv: list[str]) -> int:
     from tito_addon.tools.demo_run import main as demo_main
 
@@ -424,6 +432,7 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
         "the built-in sglang-protocol backend: a real tokenizer and a scripted model",
         reference_backend_command,
     ),
+    "view": ("browse a record dir in a web page (or one episode as a file): episodes, trees, tokens", view_command),
     "demo": ("a capture end to end against the reference backend, checked and printed", demo_command),
     "verify-template": ("is a chat template append-only, and which model family to use", verify_template_command),
 }

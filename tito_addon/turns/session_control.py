@@ -20,6 +20,7 @@ from tito_addon.records.record_models import AnnotationRecord
 from tito_addon.records.record_reader import RecordError, SessionFile
 from tito_addon.records.rollout_groups import GroupSizeError, episode_views
 from tito_addon.records.session_selection import with_prefixes
+from tito_addon.records.session_summaries import listing_order, session_summary
 from tito_addon.records.trainer_rows import ExportOptions, encode_rows, rows_of
 from tito_addon.sessions.session_space import SessionStatus
 from tito_addon.tito_errors import TitoError
@@ -43,29 +44,6 @@ class RowsExport:
 
     summary: dict[str, Any]
     data: bytes | None  # None: the summary is the answer
-
-
-def summary_of(recorded: SessionFile) -> dict[str, Any] | None:
-    """What a record says of a session: turns, tokens, branches, the last turn's time, whether it is closed, how many
-    turns were resumed across a weight update."""
-    lines = [*recorded.turns, *recorded.closes, *recorded.annotations, *recorded.withdrawn]
-    if not lines:
-        return None
-    last_turn = max((turn.ts for turn in recorded.turns), default=0.0)
-    close = recorded.closes[-1] if recorded.closes and recorded.closes[-1].ts >= last_turn else None
-    parents = {turn.parent_turn_id for turn in recorded.turns}
-    return {
-        "session_id": lines[0].session_id,
-        "turns": len(recorded.turns),
-        "tokens": sum(len(t.prompt_added_ids) + len(t.completion_ids) for t in recorded.turns),
-        "branches": sum(1 for turn in recorded.turns if turn.turn_id not in parents),
-        "last_turn_at": last_turn or None,
-        "closed": close.reason if close is not None else None,
-        "annotation_count": len(recorded.annotations),
-        # Turns whose generation a weight update cut and the proxy resumed, and the engine requests all turns took.
-        "resumed_turns": sum(1 for turn in recorded.turns if turn.resumed),
-        "attempts": sum(turn.resumed.attempts if turn.resumed else 1 for turn in recorded.turns),
-    }
 
 
 def annotations_of(recorded: SessionFile | None) -> dict[str, Any]:
@@ -129,7 +107,7 @@ class SessionControl:
         sessions = self.sessions()
         live = {s.session_id: state_of(s) for s in await sessions.sessions.live(limit)}
         live = {sid: state for sid, state in live.items() if sid.startswith(prefix)}
-        recorded = [] if live_only else await asyncio.to_thread(sessions.records.each_session, summary_of)
+        recorded = [] if live_only else await asyncio.to_thread(sessions.records.each_session, session_summary)
         rows: dict[str, dict[str, Any]] = {}
         for summary in recorded:
             sid = summary["session_id"]
@@ -138,11 +116,11 @@ class SessionControl:
         for sid, state in live.items():
             if sid not in rows:
                 rows[sid] = {"session_id": sid, "turns": None, "tokens": None, "branches": None, **state}
-        return sorted(rows.values(), key=lambda row: row.get("last_activity") or 0.0, reverse=True)[:limit]
+        return listing_order(rows.values())[:limit]
 
     async def summary(self, session_id: str) -> dict[str, Any]:
         recorded = await self._recorded(session_id)
-        summary = summary_of(recorded) if recorded is not None else None
+        summary = session_summary(recorded) if recorded is not None else None
         state = await self._state(session_id)
         if summary is None and not state["live"]:
             raise NotFound(f"no session {session_id!r} is live or recorded")
