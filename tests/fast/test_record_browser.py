@@ -38,6 +38,7 @@ from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 TOKEN = "control-token-browser-0123456789"
 GROUP = "task-7"
+HOSTILE = "</script><img src=x onerror=window.pwned=1>"
 REWARDS = {"grpo-0": 0.0, "grpo-1": 0.5, "grpo-2": 1.0, "ep-cc": 1.0}
 
 
@@ -68,6 +69,7 @@ def recorded(tmp_path_factory) -> Iterator[tuple[Path, list[dict]]]:
                 for session, reward in REWARDS.items():
                     group = GROUP if session.startswith("grpo") else None
                     tito.annotate(session, reward=reward, labels=["graded"], **({"group": group} if group else {}))
+                tito.annotate("tree-1", labels=[HOSTILE])  # a label is any text a driver sends
                 for session in [*REWARDS, "tree-1"]:
                     tito.close(session)
                 listed = tito.sessions()
@@ -307,6 +309,14 @@ def test_one_episode_as_a_file_needs_no_server(recorded, page, tmp_path) -> None
     turn = next(t for t in session.turns if t.turn_id == 7)
     assert [int(i) for i in texts(page, "#tokens .tok", "data-id")] == turn.prompt_added_ids + turn.completion_ids
     assert page.evaluate("performance.getEntriesByType('resource').length") == 0  # nothing fetched
+    # A record's text is text, in the file's inlined data too: the hostile label shows as written and runs nothing.
+    hostile = tmp_path / "tree-1.html"
+    argv = [sys.executable, "-m", "tito_addon", "view", str(record_dir), "--html", str(hostile), "--episode", "tree-1"]
+    assert subprocess.run(argv, cwd=REPO, capture_output=True, timeout=120).returncode == 0
+    assert "</script><img" not in hostile.read_text()
+    shown(page, hostile.as_uri())
+    assert HOSTILE in texts(page, "#episode-facts")[0]
+    assert page.evaluate("document.querySelectorAll('img').length === 0 && window.pwned === undefined")
 
 
 def test_a_bad_record_dir_is_said_and_nothing_outside_it_is_served(recorded, page, tmp_path) -> None:

@@ -243,12 +243,19 @@ def page_html(bundle: dict[str, Any] | None = None, title: str = "tito records")
     style = (assets / "app.css").read_text("utf-8")
     data = ""
     if bundle is not None:
-        # `</` would end the script element early: JSON allows `<\/` for it.
-        encoded = json.dumps(bundle, ensure_ascii=False, allow_nan=False).replace("</", "<\\/")
+        # No `<` in the script element at all (`</script>` or `<!--` in a record's text would change how HTML reads
+        # it): JSON spells it `\u003c`.
+        encoded = json.dumps(bundle, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
         data = f'<script type="application/json" id="tito-bundle">{encoded}</script>'
+        # A shared file fetches nothing, whatever a record's text holds: the browser refuses any request it makes.
+        policy = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
+        policy_meta = f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
+    else:
+        policy_meta = ""
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{style}</style></head>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">{policy_meta}'
+        f"<style>{style}</style></head>"
         f'<body><header id="top"><a href="#/" class="brand">tito records</a><nav><a href="#/">episodes</a>'
         f'<a href="#/sessions">sessions</a></nav><span id="where"></span></header><main id="main">loading…</main>'
         f"{data}<script>{script}</script></body></html>"
