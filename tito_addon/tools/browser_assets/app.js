@@ -246,26 +246,30 @@ function segmentGraph(data) {
 }
 
 function sessionTree(tree) {
+  // A turn a row, in depth-first order, as `git log --graph` draws history: a run of turns goes straight down its
+  // column, and each further child of a turn (a branch, another sample) opens a column of its own. A 3,000-turn agent
+  // episode is then a long column to scroll, not a line 3,000 steps wide.
   const children = {};
   for (const node of tree.turns) (children[node.parent] = children[node.parent] || []).push(node);
   const byId = Object.fromEntries(tree.turns.map((n) => [n.turn_id, n]));
   const roots = tree.turns.filter((n) => n.parent === null || !byId[n.parent]);
   const place = {};
   let row = 0;
-  let depthMax = 0;
-  const stack = roots.slice().reverse().map((n) => [n, 0]);
-  while (stack.length) {  // depth first, a leaf a row: iterative, so a 10,000-turn chain does not overflow the stack
-    const [node, depth] = stack.pop();
+  let columns = roots.length;  // each root its own column
+  const stack = roots.map((n, k) => [n, k]).reverse();
+  while (stack.length) {  // iterative: a chain of thousands of turns does not overflow the call stack
+    const [node, column] = stack.pop();
+    place[node.turn_id] = { x: 20 + column * 22, y: 16 + row * 22 };
+    row += 1;
     const kids = children[node.turn_id] || [];
-    place[node.turn_id] = { x: 20 + depth * 26, y: 16 + row * 22 };
-    depthMax = Math.max(depthMax, depth);
-    if (!kids.length) row += 1;
-    for (const kid of kids.slice().reverse()) stack.push([kid, depth + 1]);
+    const placed = kids.map((kid, k) => [kid, k === 0 ? column : columns++]);
+    for (const entry of placed.reverse()) stack.push(entry);
   }
   const edges = tree.turns.filter((n) => n.parent !== null && place[n.parent]).map((n) => {
     const a = place[n.parent], b = place[n.turn_id];
-    return svg("path", { class: "tree-edge", d: `M${a.x},${a.y} L${a.x},${b.y} L${b.x},${b.y}` });
+    return svg("path", { class: "tree-edge", d: a.x === b.x ? `M${a.x},${a.y} L${b.x},${b.y}` : `M${a.x},${a.y} L${b.x},${a.y + 11} L${b.x},${b.y}` });
   });
+  const labelX = 28 + columns * 22;
   const nodes = tree.turns.map((n) => {
     const p = place[n.turn_id];
     const title = "turn " + n.turn_id + " · " + n.call + " · segment " + n.segment + " · prompt " + n.prompt_len +
@@ -275,9 +279,10 @@ function sessionTree(tree) {
       "data-segment": n.segment, transform: `translate(${p.x},${p.y})`,
       onclick: () => { location.hash = "#/turn/" + enc(tree.session) + "/" + n.turn_id; } },
       svg("title", {}, title), svg("circle", { r: 7 }),
-      svg("text", { x: 12, y: 4 }, n.turn_id + (n.leaf ? " · " + n.call + " · " + n.sampled + " sampled" + (n.finish_reason ? " · " + n.finish_reason : "") : "")));
+      svg("text", { x: labelX - p.x, y: 4 }, "turn " + n.turn_id + " · " + n.call + " · +" + n.added + " prompt, " + n.sampled +
+        " sampled · " + (n.finish_reason || "–") + (n.siblings.length ? " · siblings " + n.siblings.join(", ") : "")));
   });
-  return svg("svg", { width: 60 + depthMax * 26 + 320, height: 24 + row * 22, class: "session-tree" }, edges, nodes);
+  return svg("svg", { width: labelX + 420, height: 24 + row * 22, class: "session-tree" }, edges, nodes);
 }
 
 // -- a turn's tokens -----------------------------------------------------------------------------------------------
