@@ -323,21 +323,18 @@ def test_a_stop_string_that_straddles_the_cut_ends_the_generation_there(proxy, e
     (plain,) = turns(proxy.record_dir, f"plain-{stream}")
     tok, ids, at = engine.backend.tokenizer, plain.completion_ids, 20
     head = tok.decode(ids[: at - 3])
-    # Around the cut, which falls at `at` or a few tokens later.
+    # Around the cut, which falls at `at` or a few tokens later; tokens come every 30 ms, so the pause lands before
+    # the first request reaches the stop string's end on a loaded machine too.
     stop = tok.decode(ids[: at + 15])[len(head) :]
+    engine.backend.config.token_delay_s = 0.03
     assert tok.decode(ids).find(stop) == len(head)
     uncut_answer = ask(proxy, f"uncut-stop-{stream}", stream=stream, stop=[stop])
     (uncut,) = turns(proxy.record_dir, f"uncut-stop-{stream}")
     assert uncut.finish_reason == "stop" and len(uncut.completion_ids) < len(ids)
     engine.backend.reset()
 
-    # Tokens come every 60 ms until the cut, so the pause lands before the first request reaches the stop string's
-    # end on a loaded machine too (at 30 ms a fresh clone's `make test` once saw it land 15 tokens late: the stop
-    # string then lay before the cut, not across it); the resumed request at the fixture's pace.
-    engine.backend.config.token_delay_s = 0.06
     thread, out = during(ask, proxy, f"stop-{stream}", stream=stream, stop=[stop])
     cut_by(engine, "pause", at)
-    engine.backend.config.token_delay_s = 0.01
     thread.join(60)
     assert "error" not in out, out.get("error")
     (turn,) = turns(proxy.record_dir, f"stop-{stream}")
