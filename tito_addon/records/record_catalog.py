@@ -25,6 +25,7 @@ from tito_addon.records.episode_segments import Segment
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, merge_parts, session_parts
 from tito_addon.records.rollout_groups import EpisodeView, auto_group_of, episode_views, prompt_ids_of
+from tito_addon.records.session_reads import SessionReads
 from tito_addon.records.session_summaries import listing_order, session_summary
 from tito_addon.records.trajectory_recorder import SUFFIX
 
@@ -104,16 +105,33 @@ class Catalog:
         return listing_order(rows)
 
 
+@dataclass(frozen=True)
+class SessionRead:
+    """What reading one session's parts gave: its digest (None: nothing to list, or unreadable), its torn lines, and
+    why it could not be read."""
+
+    digest: SessionDigest | None
+    torn: list[dict[str, Any]]
+    error: str | None = None
+
+
+def read_session_parts(name: str, paths: list[Path]) -> SessionRead:
+    try:
+        merged = merge_parts(paths)
+    except (OSError, RecordError) as exc:
+        logger.warning("tito view: cannot read the record %s: %s", name, exc)
+        return SessionRead(None, [], str(exc))
+    return SessionRead(digest_of(name, merged), torn_lines(merged))
+
+
 class RecordCatalog:
     """The catalog of one record dir, kept up to date as its files change."""
 
     def __init__(self, record_dir: Path) -> None:
         self.record_dir = record_dir
-        self._digests: dict[str, tuple[tuple[tuple[str, int, int], ...], SessionDigest | None]] = {}
-        self._errors: dict[str, str] = {}
-        self._torn: dict[str, list[dict[str, Any]]] = {}
+        self._reads = SessionReads(read_session_parts)
         self._catalog: Catalog | None = None
-        self._signature: tuple[Any, ...] | None = None
+        self._stamps: tuple[Any, ...] | None = None
 
     def catalog(self) -> Catalog:
         # The cyclic collector would walk the growing heap again and again while a large dir is read (~40% of a
@@ -140,37 +158,12 @@ class RecordCatalog:
             # Not a session file; a dot file (the proxy's signing key) is the dir's own business.
             if not entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
                 skipped.foreign.append(entry.name + ("/" if entry.is_dir() else ""))
-        signature: list[tuple[Any, ...]] = []
-        for name, paths in found.items():
-            try:
-                stamp = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in paths)
-            except OSError:
-                continue
-            signature.append((name, stamp))
-            cached = self._digests.get(name)
-            if cached is None or cached[0] != stamp:
-                self._errors.pop(name, None)
-                self._torn.pop(name, None)
-                try:
-                    merged = merge_parts(paths)
-                    self._torn[name] = torn_lines(merged)
-                    digest = digest_of(name, merged)
-                except (OSError, RecordError) as exc:
-                    logger.warning("tito view: cannot read the record %s: %s", name, exc)
-                    self._errors[name] = str(exc)
-                    digest = None
-                self._digests[name] = (stamp, digest)
-        for gone in set(self._digests) - set(found):
-            self._digests.pop(gone)
-            self._errors.pop(gone, None)
-            self._torn.pop(gone, None)
-        skipped.unreadable = [{"file": name, "error": error} for name, error in sorted(self._errors.items())]
-        if self._catalog is None or tuple(signature) != self._signature:
-            digests = [d for name, _ in signature if (d := self._digests[name][1]) is not None]
-            self._catalog = build_catalog(digests)
-            self._signature = tuple(signature)
-        for name, _ in signature:
-            skipped.torn_lines += self._torn.get(name, [])
+        reads, stamps = self._reads.refresh(found)
+        if self._catalog is None or stamps != self._stamps:
+            self._catalog = build_catalog([read.digest for read in reads.values() if read.digest is not None])
+            self._stamps = stamps
+        skipped.unreadable = [{"file": name, "error": read.error} for name, read in reads.items() if read.error]
+        skipped.torn_lines = [torn for read in reads.values() for torn in read.torn]
         self._catalog.skipped = skipped
         return self._catalog
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -23,6 +24,7 @@ from tito_addon.records.record_reader import (
     session_parts,
     session_paths,
 )
+from tito_addon.records.session_reads import SessionReads
 from tito_addon.records.session_selection import recorded_session_ids
 from tito_addon.records.trajectory_recorder import TrajectoryRecorder
 
@@ -73,8 +75,8 @@ class FileRecords:
     def __init__(self, record_dir: str | Path, writer: str | None = None) -> None:
         self.lines = TrajectoryRecorder(record_dir, writer=writer)
         self.record_dir = self.lines.record_dir
-        # Per digest, by base file name: what it gave, kept while no part of the session changed (size, mtime).
-        self._digests: dict[Callable, dict[str, tuple[tuple[tuple[str, int, int], ...], Any]]] = {}
+        # Per digest: what it gave of each session, kept while no part of the session changed.
+        self._reads: dict[Callable, SessionReads[Any]] = {}
 
     def append_turn(self, session_id: str, fields: dict[str, Any]) -> None:
         self.lines.write_turn_line(session_id, fields)
@@ -102,23 +104,21 @@ class FileRecords:
 
     def each_session(self, digest: Callable[[SessionFile], T | None]) -> list[T]:
         found = session_parts(self.record_dir) if self.record_dir.is_dir() else {}
-        digests = self._digests.setdefault(digest, {})
-        out = []
-        for name, paths in found.items():
-            try:
-                signature = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in paths)
-                cached = digests.get(name)
-                if cached is None or cached[0] != signature:
-                    cached = (signature, digest(merge_parts(paths)))
-                    digests[name] = cached
-            except (OSError, RecordError) as exc:
-                logger.warning("tito: cannot read the record %s: %s", name, exc)
-                continue
-            if cached[1] is not None:
-                out.append(cached[1])
-        for gone in set(digests) - set(found):
-            del digests[gone]
-        return out
+        reads = self._reads.get(digest)
+        if reads is None:
+            reads = self._reads[digest] = SessionReads(partial(digest_or_none, digest))
+        kept, _ = reads.refresh(found)
+        return [value for value in kept.values() if value is not None]
+
+
+def digest_or_none[R](digest: Callable[[SessionFile], R | None], name: str, paths: list[Path]) -> R | None:
+    """`digest` of a session's merged parts; None, said once in the log, when they cannot be read (until they
+    change)."""
+    try:
+        return digest(merge_parts(paths))
+    except (OSError, RecordError) as exc:
+        logger.warning("tito: cannot read the record %s: %s", name, exc)
+        return None
 
 
 class NullRecords:
