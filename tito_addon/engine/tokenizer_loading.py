@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,3 +99,53 @@ def text_encoder(tokenizer: Any, fast: tokenizers.Tokenizer | None) -> Callable[
         return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
     # (its fallback for text that is not ASCII is the Rust tokenizer)
     return ascii_words(fast) or (lambda text: fast.encode(text, add_special_tokens=False).ids)
+
+
+class RecordTokenizers:
+    """The tokenizer that names a record's ids, found the same way wherever ids are shown (the content view, the
+    record browser): `preferred()` (a running token engine: its `tokenizer` and `tokenizer_sha256`) when the record's
+    fingerprint is its; else `override` (a user's choice, taken as is); else the record's tokenizer directory when it
+    is a local one with that fingerprint; else none, and why. Never a download for a record's name, never remote code;
+    the last few loaded are kept."""
+
+    KEPT = 4  # tokenizers held loaded (each is tens of MB)
+
+    def __init__(self, preferred: Callable[[], Any | None] = lambda: None, override: str | None = None) -> None:
+        self.preferred = preferred
+        self.override = override
+        self._loaded: OrderedDict[str, tuple[Any | None, str]] = OrderedDict()  # name -> (tokenizer, sha256 or why not)
+        self._lock = threading.Lock()  # the record browser asks from its worker threads
+
+    def for_record(self, name: str, sha256: str) -> tuple[Any | None, str | None]:
+        """(tokenizer, None), or (None, why the ids are shown alone)."""
+        engine = self.preferred()
+        if engine is not None and engine.tokenizer_sha256 == sha256:
+            return engine.tokenizer, None
+        if self.override is not None:
+            tokenizer, why = self._load(self.override, local_only=False)
+            return (tokenizer, None) if tokenizer is not None else (None, why)
+        tokenizer, fingerprint = self._load(name, local_only=True)
+        if tokenizer is None:
+            return None, fingerprint
+        if fingerprint != sha256:
+            return None, f"the tokenizer in {name} is not the one this turn was recorded with (its sha256 differs)"
+        return tokenizer, None
+
+    def _load(self, name: str, *, local_only: bool) -> tuple[Any | None, str]:
+        with self._lock:
+            if name in self._loaded:
+                self._loaded.move_to_end(name)
+                return self._loaded[name]
+            found: tuple[Any | None, str]
+            if local_only and not Path(name).is_dir():
+                found = (None, f"the recorded tokenizer {name!r} is not a local directory here")
+            else:
+                try:
+                    tokenizer = load_tokenizer(name, trust_remote_code=False)
+                    found = (tokenizer, tokenizer_sha256(tokenizer))
+                except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, hub errors...
+                    found = (None, f"the tokenizer {name!r} does not load: {exc}")
+            self._loaded[name] = found
+            while len(self._loaded) > self.KEPT:
+                self._loaded.popitem(last=False)
+            return found

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,18 @@ from mitmproxy import contentviews, flow
 from mitmproxy.contentviews import Contentview, Metadata
 from pydantic import ValidationError
 
-from tito_addon.engine.tokenizer_loading import load_tokenizer, tokenizer_sha256
+from tito_addon.engine.tokenizer_loading import RecordTokenizers
 from tito_addon.proxy.turn_wiring import TurnWiring
 from tito_addon.records.episode_segments import episode_segments
-from tito_addon.records.record_models import TokenizerInfo, TurnRecord
+from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.records_port import FileRecords, Records
-from tito_addon.records.turn_tokens import SegmentPlace, segment_of, turn_text, turn_tokens
+from tito_addon.records.turn_tokens import SegmentPlace, segment_place, turn_text, turn_tokens
 
 logger = logging.getLogger(__name__)
 
 VIEW_NAME = "TITO turn"
 # Above mitmproxy's JSON view (1): the auto view of a tito flow; raw JSON stays one click away.
 PRIORITY = 2.0
-# Tokenizers loaded from records' directories, kept for the next flow (each is tens of MB).
-LOADED_TOKENIZERS = 4
 
 
 def tito_metadata(of: flow.Flow | None) -> dict[str, Any] | None:
@@ -43,45 +40,6 @@ def tito_metadata(of: flow.Flow | None) -> dict[str, Any] | None:
     if isinstance(tito, dict) and ("record" in tito or "refused" in tito):
         return tito
     return None
-
-
-class RecordTokenizers:
-    """The tokenizer that names a record's ids: the engine's when the record's fingerprint is its, else one loaded
-    from the record's tokenizer directory when it is local and has that fingerprint; else none (ids only)."""
-
-    def __init__(self, wiring: TurnWiring) -> None:
-        self.wiring = wiring
-        # name -> (tokenizer or None, its fingerprint or why it is missing)
-        self._loaded: OrderedDict[str, tuple[Any | None, str]] = OrderedDict()
-
-    def for_record(self, info: TokenizerInfo) -> tuple[Any | None, str | None]:
-        """(tokenizer, None), or (None, why the ids are shown alone)."""
-        engine = self.wiring.engine
-        if engine is not None and engine.tokenizer_sha256 == info.tokenizer_sha256:
-            return engine.tokenizer, None
-        tokenizer, fingerprint = self._load(info.name)
-        if tokenizer is None:
-            return None, fingerprint
-        if fingerprint != info.tokenizer_sha256:
-            return None, f"the tokenizer in {info.name} is not the one this turn was recorded with (its sha256 differs)"
-        return tokenizer, None
-
-    def _load(self, name: str) -> tuple[Any | None, str]:
-        if name in self._loaded:
-            self._loaded.move_to_end(name)
-            return self._loaded[name]
-        if not Path(name).is_dir():
-            found: tuple[Any | None, str] = (None, f"the recorded tokenizer {name!r} is not a local directory here")
-        else:
-            try:
-                tokenizer = load_tokenizer(name, trust_remote_code=False)
-                found = (tokenizer, tokenizer_sha256(tokenizer))
-            except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, hub errors...
-                found = (None, f"the recorded tokenizer {name!r} does not load: {exc}")
-        self._loaded[name] = found
-        while len(self._loaded) > LOADED_TOKENIZERS:
-            self._loaded.popitem(last=False)
-        return found
 
 
 class RecordSegments:
@@ -101,11 +59,11 @@ class RecordSegments:
         session_file = self._records().read(turn.session_id)
         if session_file is None:
             return None
-        turns = {t.turn_id: t for t in session_file.turns}
-        if turns.get(turn.turn_id) != turn:
+        if next((t for t in session_file.turns if t.turn_id == turn.turn_id), None) != turn:
             return None  # another run's session of the same name: its segments are not this turn's
-        numbered = [s.path[0].turn_id for s in episode_segments([session_file]) if s.episode == turn.episode_id]
-        found = self._found[key] = segment_of(turns, turn, numbered)
+        found = segment_place(episode_segments([session_file]), turn)
+        if found is not None:
+            self._found[key] = found
         return found
 
     def _records(self) -> Records:
@@ -123,7 +81,7 @@ class TurnContentview(Contentview):
 
     def __init__(self, wiring: TurnWiring) -> None:
         self.wiring: TurnWiring | None = wiring
-        self.tokenizers: RecordTokenizers | None = RecordTokenizers(wiring)
+        self.tokenizers: RecordTokenizers | None = RecordTokenizers(lambda: wiring.engine)
         self.segments: RecordSegments | None = RecordSegments(wiring)
 
     @property
@@ -168,7 +126,7 @@ class TurnContentview(Contentview):
                 f"{len(turn.completion_ids)} completion tokens; it cannot be shown as tokens.\n"
             )
         assert self.tokenizers is not None and self.segments is not None
-        tokenizer, no_texts = self.tokenizers.for_record(turn.tokenizer)
+        tokenizer, no_texts = self.tokenizers.for_record(turn.tokenizer.name, turn.tokenizer.tokenizer_sha256)
         try:
             segment = self.segments.place(turn)
         except Exception as exc:  # noqa: BLE001 - an unreadable record dir leaves the segment out, not the turn

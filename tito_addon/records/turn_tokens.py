@@ -13,10 +13,12 @@ replacement character in each: what the model sampled, not a re-merged text.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from tito_addon.records.episode_segments import Segment
 from tito_addon.records.record_models import Follows, TurnRecord
 
 
@@ -114,17 +116,14 @@ def turn_tokens(turn: TurnRecord, tokenizer: Any | None = None, *, segment: Segm
     )
 
 
-def segment_of(turns: dict[int, TurnRecord], turn: TurnRecord, numbered: list[int]) -> SegmentPlace:
-    """The segment `turn` is in: its run of one call back to where the call changes or the tree's root begins.
-    `numbered`: the first turns of the session's segments in export order (`episode_segments`)."""
-    node = turn
-    while node.parent_turn_id is not None:
-        parent = turns.get(node.parent_turn_id)
-        if parent is None or parent.call != node.call:
-            break
-        node = parent
-    index = numbered.index(node.turn_id) if node.turn_id in numbered else -1
-    return SegmentPlace(index=index, first_turn=node.turn_id, call=turn.call)
+def segment_place(segments: Iterable[Segment], turn: TurnRecord) -> SegmentPlace | None:
+    """The segment `turn` is in, among `segments` (`episode_segments`' order and numbers): the first that holds it,
+    where branches share it."""
+    for segment in segments:
+        first = segment.path[0]
+        if first.session_id == turn.session_id and any(t.turn_id == turn.turn_id for t in segment.path):
+            return SegmentPlace(index=segment.index, first_turn=first.turn_id, call=segment.call)
+    return None
 
 
 # Shades of a sampled token by its probability: the less likely, the darker (blank: p >= 0.9).

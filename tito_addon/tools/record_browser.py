@@ -26,12 +26,12 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tito_addon.engine.tokenizer_loading import load_tokenizer
+from tito_addon.engine.tokenizer_loading import RecordTokenizers
 from tito_addon.records.episode_graph import episode_graph, group_view
 from tito_addon.records.record_catalog import SORTABLE, Catalog, EpisodeFilter, RecordCatalog, facets
 from tito_addon.records.record_models import CALLS, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, merge_parts
-from tito_addon.records.turn_tokens import SegmentPlace, turn_tokens
+from tito_addon.records.turn_tokens import SegmentPlace, segment_place, turn_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -42,27 +42,6 @@ class ViewError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-class TokenizerShelf:
-    """Tokenizers by name, each loaded once; a name that is not a local directory is not loaded (no download)."""
-
-    def __init__(self, override: str | None = None) -> None:
-        self.override = override
-        self._loaded: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def for_turn(self, turn: TurnRecord) -> Any | None:
-        name = self.override or turn.tokenizer.name
-        with self._lock:
-            if name not in self._loaded:
-                self._loaded[name] = None
-                if self.override or Path(name).is_dir():
-                    try:
-                        self._loaded[name] = load_tokenizer(name, trust_remote_code=False)
-                    except Exception as exc:  # transformers raises OSError, ValueError and its own errors
-                        logger.warning("tito view: cannot load tokenizer %s: %s", name, exc)
-            return self._loaded[name]
 
 
 class CatalogQuery(BaseModel):
@@ -110,9 +89,9 @@ class CatalogQuery(BaseModel):
 class RecordBrowser:
     """The answers the page asks for, as plain JSON values (the server's and the one-episode file's alike)."""
 
-    def __init__(self, record_dir: Path, tokenizers: TokenizerShelf | None = None) -> None:
+    def __init__(self, record_dir: Path, tokenizers: RecordTokenizers | None = None) -> None:
         self.record_dir = record_dir
-        self.tokenizers = tokenizers or TokenizerShelf()
+        self.tokenizers = tokenizers or RecordTokenizers()
         self._catalog = RecordCatalog(record_dir)
         self._lock = threading.Lock()
 
@@ -175,7 +154,8 @@ class RecordBrowser:
         turn = turns.get(turn_id)
         if turn is None:
             raise ViewError(f"session {session_id[:200]!r} has no turn {turn_id}", 404)
-        tokens = turn_tokens(turn, self.tokenizers.for_turn(turn), segment=self._segment(turn))
+        tokenizer, _ = self.tokenizers.for_record(turn.tokenizer.name, turn.tokenizer.tokenizer_sha256)
+        tokens = turn_tokens(turn, tokenizer, segment=self._segment(turn))
         below = {turn.turn_id}
         for other in session_file.turns:  # parents come before their children
             if other.parent_turn_id in below:
@@ -196,13 +176,9 @@ class RecordBrowser:
         }
 
     def _segment(self, turn: TurnRecord) -> SegmentPlace | None:
-        """The export's segment the turn is in (the first, where branches share it), numbered within its episode."""
+        """The export's segment the turn is in, numbered within its episode (across its sessions)."""
         view = self.catalog().views.get(turn.episode_id)
-        for segment in view.segments if view is not None else ():
-            first = segment.path[0]
-            if first.session_id == turn.session_id and any(t.turn_id == turn.turn_id for t in segment.path):
-                return SegmentPlace(index=segment.index, first_turn=first.turn_id, call=segment.call)
-        return None
+        return segment_place(view.segments, turn) if view is not None else None
 
     def audit_page(self, session_id: str, leaf: int) -> str:
         from tito_addon.tools.audit_page import render_page
@@ -211,9 +187,12 @@ class RecordBrowser:
         session_file = self._session_file(session_id)
         if leaf not in {t.turn_id for t in session_file.turns}:
             raise ViewError(f"session {session_id[:200]!r} has no turn {leaf}", 404)
-        tokenizer = self.tokenizers.for_turn(session_file.turns[0])
+        info = session_file.turns[0].tokenizer
+        tokenizer, why = self.tokenizers.for_record(info.name, info.tokenizer_sha256)
         if tokenizer is None:
-            raise ViewError("the drift audit needs the record's tokenizer: start view with --tokenizer PATH", 409)
+            raise ViewError(
+                f"the drift audit needs the record's tokenizer ({why}): start view with --tokenizer PATH", 409
+            )
         try:
             audits = [a for a in audit_session(session_file, tokenizer) if a.leaf_turn_id == leaf]
         except RecordError as exc:
@@ -379,7 +358,7 @@ def main(argv: list[str]) -> int:
     if not args.record_dir.is_dir():
         print(f"error: {args.record_dir} is not a directory", file=sys.stderr)
         return 2
-    browser = RecordBrowser(args.record_dir, TokenizerShelf(args.tokenizer))
+    browser = RecordBrowser(args.record_dir, RecordTokenizers(override=args.tokenizer))
     if args.html is None:
         serve(browser, args.host, args.port)
         return 0
