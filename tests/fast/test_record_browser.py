@@ -13,7 +13,6 @@ names a dir (the README's come from there).
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -134,31 +133,6 @@ def texts(page: Page, selector: str, attribute: str | None = None) -> list:
     return page.evaluate(f"[...document.querySelectorAll({json.dumps(selector)})].map(e => {what})")
 
 
-def pixels_like(page: Page, png: bytes, colors: dict[str, tuple[int, int, int]], within: int = 24) -> dict[str, int]:
-    """How many pixels of the PNG lie within `within` of each color, counted by the browser's own PNG decoder."""
-    data = base64.b64encode(png).decode()
-    script = f"""(async () => {{
-        const image = new Image();
-        image.src = 'data:image/png;base64,{data}';
-        await image.decode();
-        const canvas = document.createElement('canvas');
-        canvas.width = image.width; canvas.height = image.height;
-        const context = canvas.getContext('2d');
-        context.drawImage(image, 0, 0);
-        const pixels = context.getImageData(0, 0, image.width, image.height).data;
-        const colors = {json.dumps(colors)};
-        const counts = Object.fromEntries(Object.keys(colors).map(k => [k, 0]));
-        for (let i = 0; i < pixels.length; i += 4) {{
-            for (const [name, [r, g, b]] of Object.entries(colors)) {{
-                if (Math.abs(pixels[i] - r) <= {within} && Math.abs(pixels[i + 1] - g) <= {within} &&
-                    Math.abs(pixels[i + 2] - b) <= {within}) counts[name] += 1;
-            }}
-        }}
-        return counts;
-    }})()"""
-    return page.evaluate(script)
-
-
 def screenshot(page: Page, name: str, tmp_path: Path) -> bytes:
     png = page.screenshot(tmp_path / name)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -176,7 +150,7 @@ def export_rows(record_dir: Path, tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_the_rollout_table_lists_filters_and_sorts_the_episodes(recorded, view_server, page, tmp_path) -> None:
+def test_the_rollout_table_lists_filters_and_sorts_the_episodes(recorded, view_server, browser, page, tmp_path) -> None:
     record_dir, _ = recorded
     files = list(iter_session_files(record_dir))
     first_ts = {f.turns[0].episode_id: min(t.ts for t in f.turns) for f in files}
@@ -190,7 +164,7 @@ def test_the_rollout_table_lists_filters_and_sorts_the_episodes(recorded, view_s
     )
     assert rewards == {**{e: f"{r:.3f}" for e, r in REWARDS.items()}, "tree-1": "–"}
     png = screenshot(page, "browser-episodes.png", tmp_path)
-    assert pixels_like(page, png, {"main pill": (0x09, 0x69, 0xDA)})["main pill"] > 200
+    assert browser.image_facts(png, {"main pill": (0x09, 0x69, 0xDA)}).near["main pill"] > 200
     # A filter typed into the form, then a column header clicked twice: high rewards first; equal ones by name.
     redrawn(page, lambda: page.set_value("#filters input[name=reward_min]", "0.5"))
     assert texts(page, "#episodes tbody tr", "data-episode") == ["ep-cc", "grpo-1", "grpo-2"]
@@ -213,7 +187,7 @@ def test_the_sessions_table_is_the_control_apis_list(recorded, view_server, page
     assert len(rows) == 5
 
 
-def test_an_episode_is_drawn_with_its_compaction_and_sub_agent(recorded, view_server, page, tmp_path) -> None:
+def test_an_episode_is_drawn_with_its_compaction_and_sub_agent(recorded, view_server, browser, page, tmp_path) -> None:
     record_dir, _ = recorded
     rows = [row for row in export_rows(record_dir, tmp_path) if row["episode"] == "ep-cc"]
     shown(page, view_server + "/#/episode/ep-cc")
@@ -237,16 +211,15 @@ def test_an_episode_is_drawn_with_its_compaction_and_sub_agent(recorded, view_se
     nodes = page.evaluate("[...document.querySelectorAll('.tree g.tree-node')].map(g => Number(g.dataset.turn))")
     assert sorted(nodes) == [t.turn_id for t in session.turns]
     png = screenshot(page, "browser-episode.png", tmp_path)
-    seen = pixels_like(
-        page, png, {"compaction": (0xBF, 0x87, 0x00), "subagent": (0x82, 0x50, 0xDF), "follows": (0xCF, 0x22, 0x2E)}
-    )
+    colours = {"compaction": (0xBF, 0x87, 0x00), "subagent": (0x82, 0x50, 0xDF), "follows": (0xCF, 0x22, 0x2E)}
+    seen = browser.image_facts(png, colours).near
     assert all(count > 50 for count in seen.values()), seen
     # A segment box leads to its first turn.
     redrawn(page, lambda: page.click("#segment-graph g.segment[data-call=subagent]"))
     assert page.evaluate("location.hash") == "#/turn/ep-cc/6"
 
 
-def test_a_turns_tokens_and_shades_are_the_record(recorded, view_server, page, tmp_path) -> None:
+def test_a_turns_tokens_and_shades_are_the_record(recorded, view_server, browser, page, tmp_path) -> None:
     record_dir, _ = recorded
     session = read_session(record_dir, "ep-cc")
     assert session is not None
@@ -275,7 +248,7 @@ def test_a_turns_tokens_and_shades_are_the_record(recorded, view_server, page, t
     png = screenshot(page, "browser-turn.png", tmp_path)
     alphas = sorted({round(0.15 + 0.75 * (1 - math.exp(lp)), 3) for lp in turn.completion_logprobs})
     blends = {str(a): (255, round(255 - 59 * a), round(255 * (1 - a))) for a in alphas[-3:]}
-    counts = pixels_like(page, png, blends, within=3)
+    counts = browser.image_facts(png, blends, within=3).near
     assert sum(counts.values()) > 300, counts
     # The branch's drift audit, from the turn's link.
     href = page.evaluate("document.querySelector('.audit-link').getAttribute('href')")

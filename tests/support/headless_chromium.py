@@ -59,19 +59,28 @@ START_TIMEOUT = 30.0
 
 
 # Decodes a base64 image and counts its pixels' distinct values and the most common one's share.
-IMAGE_FACTS_JS = """(async () => {
-    const bytes = Uint8Array.from(atob(%s), c => c.charCodeAt(0));
+IMAGE_FACTS_JS = """(async (data, near, within) => {
+    const bytes = Uint8Array.from(atob(data), c => c.charCodeAt(0));
     const bitmap = await createImageBitmap(new Blob([bytes]));
     const canvas = new OffscreenCanvas(bitmap.width, bitmap.height);
     const context = canvas.getContext('2d');
     context.drawImage(bitmap, 0, 0);
-    const pixels = new Uint32Array(context.getImageData(0, 0, bitmap.width, bitmap.height).data.buffer);
+    const rgba = context.getImageData(0, 0, bitmap.width, bitmap.height).data;
+    const close = Object.fromEntries(Object.keys(near).map(name => [name, 0]));
+    for (let i = 0; i < rgba.length; i += 4) {
+        for (const [name, [r, g, b]] of Object.entries(near)) {
+            if (Math.abs(rgba[i] - r) <= within && Math.abs(rgba[i + 1] - g) <= within &&
+                Math.abs(rgba[i + 2] - b) <= within) close[name] += 1;
+        }
+    }
+    const pixels = new Uint32Array(rgba.buffer);
     const counts = new Map();
     for (const pixel of pixels) counts.set(pixel, (counts.get(pixel) || 0) + 1);
     let most = 0;
     for (const count of counts.values()) most = Math.max(most, count);
-    return {width: bitmap.width, height: bitmap.height, colours: counts.size, background_share: most / pixels.length};
-})()"""
+    return {width: bitmap.width, height: bitmap.height, colours: counts.size, background_share: most / pixels.length,
+            near: close};
+})(%s, %s, %d)"""
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class ImageFacts:
     height: int
     colours: int  # distinct pixel values
     background_share: float  # the share of the pixels that have the most common value
+    near: dict[str, int]  # per colour asked for, the pixels within the tolerance of it in each channel
 
 
 class CdpError(RuntimeError):
@@ -303,12 +313,16 @@ class HeadlessChromium:
             raise CdpError("the browser is not started")
         return self._connection
 
-    def image_facts(self, image: bytes) -> ImageFacts:
+    def image_facts(
+        self, image: bytes, near: dict[str, tuple[int, int, int]] | None = None, within: int = 24
+    ) -> ImageFacts:
         """What an image (a screenshot's PNG) shows, decoded by the browser in a scratch tab: its size and colours,
-        for a test to tell a rendered page from a blank one."""
+        for a test to tell a rendered page from a blank one, and how many pixels lie within `within` of each colour
+        in `near` (an RGB each), for a test to tell what it shows."""
         page = self.new_page()
         try:
-            facts = page.evaluate(IMAGE_FACTS_JS % json.dumps(base64.b64encode(image).decode()))
+            data = json.dumps(base64.b64encode(image).decode())
+            facts = page.evaluate(IMAGE_FACTS_JS % (data, json.dumps(near or {}), within))
         finally:
             page.close()
         return ImageFacts(**facts)
