@@ -345,21 +345,32 @@ def test_a_responses_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: Pat
     assert [t.reply_id for t in turns] == [first.id, answer.id]
 
 
-TOKENS = 2000  # long enough that a pause 1 s into the generation finds it running on these CPUs
+TOKENS = 2000  # ~9 s of generation on these CPUs: the pause lands tens of tokens in, far from the end
 
 
-def generating(tap: UpstreamTap, before: int) -> None:
-    """Returns while vLLM generates: a generate call after the first `before` has begun, 1 s ago."""
+def sampled_so_far(vllm_url: str) -> int:
+    """vLLM's own count of the tokens it has generated (its Prometheus counter, updated every engine step)."""
+    with urllib.request.urlopen(vllm_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
+    return sum(int(float(count)) for count in counts)
+
+
+def generating(vllm_url: str, before: int, tokens: int = 32) -> None:
+    """Returns once vLLM has generated `tokens` more than `before`: the request runs, with output to cut or split.
+    A fixed sleep raced the engine (a generation once ended before a pause came); vLLM's counter does not."""
     deadline = time.monotonic() + 60
-    while len(tap.of("/inference/v1/generate")) <= before:
-        assert time.monotonic() < deadline, "no generate call began"
-        time.sleep(0.01)
-    time.sleep(1.0)
+    while sampled_so_far(vllm_url) < before + tokens:
+        assert time.monotonic() < deadline, "vLLM generated nothing"
+        time.sleep(0.02)
 
 
-def trainer_update(vllm_url: str, mode: str, version: str) -> None:
-    """What an async RL trainer does around a weight update (VLLM_SERVER_DEV_MODE=1): pause, relabel, resume."""
+def trainer_update(vllm_url: str, mode: str, version: str, before: int) -> None:
+    """What an async RL trainer does around a weight update (VLLM_SERVER_DEV_MODE=1): pause, relabel, resume.
+    The pause must find the turn with tokens still to sample (`before`: vLLM's count when it began), else the
+    test would prove nothing."""
     assert post_json(f"{vllm_url}/pause?mode={mode}", {}) == {"status": "paused"}
+    assert sampled_so_far(vllm_url) - before < TOKENS, "the generation ended before the pause"
     post_json(vllm_url + "/update_weight_version", {"new_version": version})
     time.sleep(0.5)  # the weights load meanwhile; the resubmitted request waits in vLLM's queue
     assert post_json(vllm_url + "/resume", {}) == {"status": "resumed"}
@@ -380,7 +391,7 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
         long = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Ramble."}], "temperature": 1.0,
                 "seed": 3, "max_tokens": TOKENS, "extra_body": {"min_tokens": TOKENS}}  # fmt: skip
         client.chat.completions.create(**{**long, "max_tokens": 4, "extra_body": {}})  # a warm engine, not a cold one
-        # 1. A streamed turn, cut by an abort while vLLM generates it (the tap sees the generate call begin).
+        # 1. A streamed turn, cut by an abort while vLLM generates it (vLLM's token counter shows it generating).
         streamed: list[str] = []
         failed: list[BaseException] = []
 
@@ -396,19 +407,20 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
             streamed.append(finish or "")
 
         thread = threading.Thread(target=agent)
+        before = sampled_so_far(vllm_url)
         thread.start()
-        generating(tap, before=1)
-        trainer_update(vllm_url, "abort", "v2")
+        generating(vllm_url, before)
+        trainer_update(vllm_url, "abort", "v2", before)
         thread.join(300)
         assert not failed and streamed[-1] == "length", failed
         # 2. A whole turn, held by a keep pause while the label changes.
         held: dict = {}
         whole = {**long, "seed": 4}
         second = threading.Thread(target=lambda: held.update(reply=client.chat.completions.create(**whole)))
-        before = len(tap.of("/inference/v1/generate"))
+        before = sampled_so_far(vllm_url)
         second.start()
-        generating(tap, before)
-        trainer_update(vllm_url, "keep", "v3")
+        generating(vllm_url, before)
+        trainer_update(vllm_url, "keep", "v3", before)
         second.join(300)
         assert held["reply"].choices[0].finish_reason == "length"
         # 3. A whole turn, cut by an abort.
@@ -416,10 +428,10 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
         third = threading.Thread(
             target=lambda: cut_whole.update(reply=client.chat.completions.create(**{**long, "seed": 5}))
         )
-        before = len(tap.of("/inference/v1/generate"))
+        before = sampled_so_far(vllm_url)
         third.start()
-        generating(tap, before)
-        trainer_update(vllm_url, "abort", "v4")
+        generating(vllm_url, before)
+        trainer_update(vllm_url, "abort", "v4", before)
         third.join(300)
         assert cut_whole["reply"].choices[0].finish_reason == "length"
         # 4. A streamed turn, held by a keep pause.
@@ -430,10 +442,10 @@ def test_weight_updates_mid_generation_on_real_vllm_are_resumed_or_held(vllm_url
                     **{**long, "seed": 6}, stream=True) if c.choices
             )
         )  # fmt: skip
-        before = len(tap.of("/inference/v1/generate"))
+        before = sampled_so_far(vllm_url)
         fourth.start()
-        generating(tap, before)
-        trainer_update(vllm_url, "keep", "v5")
+        generating(vllm_url, before)
+        trainer_update(vllm_url, "keep", "v5", before)
         fourth.join(300)
         assert kept_stream[-1] == "length"
 
