@@ -24,7 +24,7 @@ from support.basics import TOOLS, cached_engine, tokenizer_path
 from support.proxy_harness import REPO, Mitmdump
 from support.seed_reference import expected_seed
 from support.upstream_tap import UpstreamTap
-from support.vllm_cpu_server import VllmCpuServer, require_venv
+from support.vllm_cpu_server import VllmCpuServer, counters, require_venv
 
 from tito_addon.records.record_reader import read_session_file
 
@@ -349,11 +349,8 @@ TOKENS = 2000  # ~9 s of generation on these CPUs: the pause lands tens of token
 
 
 def sampled_so_far(vllm_url: str) -> int:
-    """vLLM's own count of the tokens it has generated (its Prometheus counter, updated every engine step)."""
-    with urllib.request.urlopen(vllm_url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    counts = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
-    return sum(int(float(count)) for count in counts)
+    """vLLM's own count of the tokens it has generated (updated every engine step)."""
+    return int(counters(vllm_url).get("vllm:generation_tokens_total", 0))
 
 
 def generating(vllm_url: str, before: int, tokens: int = 32) -> None:

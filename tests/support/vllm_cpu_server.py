@@ -19,6 +19,23 @@ from tito_addon.replicas.fleet import free_port
 VENV = Path(os.environ.get("TITO_VLLM_VENV", REPO / ".venv-vllm"))
 
 
+def counters(url: str) -> dict[str, float]:
+    """A vLLM server's Prometheus counters, each summed over its labels (`vllm:generation_tokens_total`, ...): updated
+    every engine step."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            found[name.split("{", 1)[0]] = found.get(name.split("{", 1)[0], 0.0) + float(value)
+        except ValueError:
+            continue
+    return found
+
+
 def require_venv() -> None:
     if not (VENV / "bin" / "python").exists():
         if os.environ.get("TITO_E2E_REQUIRED") == "1":
@@ -53,18 +70,7 @@ class VllmCpuServer:
 
     def counters(self) -> dict[str, float]:
         """Its Prometheus counters, each summed over its labels (`vllm:prefix_cache_hits_total`, ...)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
-            text = response.read().decode()
-        found: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or " " not in line:
-                continue
-            name, _, value = line.rpartition(" ")
-            try:
-                found[name.split("{", 1)[0]] = found.get(name.split("{", 1)[0], 0.0) + float(value)
-            except ValueError:
-                continue
-        return found
+        return counters(self.url)
 
     def kill(self) -> None:
         """SIGKILL, as an engine dies: its connections reset, nothing in flight answered."""
