@@ -6,8 +6,9 @@ vLLM bodies, and the harness that runs real processes on loopback (`proxy_proces
 proxies). A small package of concepts:
 
 - what both replicas share: the scripted model (`scripted_model`: what the model says, in Qwen3's format), its
-  tokenizer (`replica_tokenizer`: a real HF tokenizer and the non-canonical ids), the transport faults (`faults`) and
-  how a replica is served (`replica_runner`: an aiohttp app, in a thread for sync tests);
+  tokenizer (`replica_tokenizer`: a real HF tokenizer and the non-canonical ids), its mixture-of-experts routes
+  (`expert_routing`: what `--enable-return-routed-experts` returns), the transport faults (`faults`) and how a replica
+  is served (`replica_runner`: an aiohttp app, in a thread for sync tests);
 - each server's wire, in modules named for it: sglang's (`sglang_replica`, the server; `sglang_config`,
   `sglang_generation`, `sglang_bodies`; `sglang_cli`, the `reference-backend` command) and vLLM's (`vllm_replica`,
   the server; `vllm_config` and one module per endpoint: `vllm_render`, `vllm_generate`, `vllm_derender`).

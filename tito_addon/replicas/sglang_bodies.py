@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from tito_addon.replicas.engine_pause import spans_of
+from tito_addon.replicas.expert_routing import route_rows, sglang_routes_b64
 from tito_addon.replicas.replica_tokenizer import ReplicaTokenizer
 from tito_addon.replicas.sglang_config import ReplicaConfig
 from tito_addon.replicas.sglang_generation import Generation, truthy
@@ -111,6 +112,15 @@ class SglangBodies:
             ext["output_ids"] = [list(gen.completion_ids)]
         return ext
 
+    def _routes(self, body: dict[str, Any], gen: Generation) -> str | None:
+        """The routed experts the answer carries (rows `[routed_experts_start_len, seqlen - 1)` over the prompt and the
+        output ids, as base64 int32; `""` when there are none), or None: the server flag off or none asked for. An
+        older server (`honor_input_ids` off) has no start on chat and returns every row."""
+        if not self.config.routed_experts or not truthy(body.get("return_routed_experts")):
+            return None
+        start = body.get("routed_experts_start_len", 0) if self.config.honor_input_ids else 0
+        return sglang_routes_b64(route_rows(self.config, gen.prompt_ids + gen.completion_ids, start))
+
     def _response_body(self, body: dict[str, Any], gen: Generation, request: web.Request) -> dict[str, Any]:
         honor = self.config.honor_input_ids
         want_logprobs = truthy(body.get("logprobs"))
@@ -134,8 +144,12 @@ class SglangBodies:
             choice["prompt_token_ids"] = list(gen.prompt_ids)
         if want_token_ids:
             choice["response_token_ids"] = list(gen.completion_ids)
+        routes = self._routes(body, gen)
         if honor and truthy(body.get("return_meta_info")):
             choice["meta_info"] = self._meta_info(body, gen, want_logprobs)
+            if routes is not None:  # 0.5.23: then only here, never in sglext
+                choice["meta_info"]["routed_experts"] = routes
+                routes = None
         out: dict[str, Any] = {
             "id": gen.rid,
             "object": "chat.completion",
@@ -146,6 +160,8 @@ class SglangBodies:
             "metadata": {"weight_version": self.config.weight_version},
         }
         ext = self._sglext(body, request, gen)
+        if routes:  # SglExt's first field; an empty string (no rows) leaves it out, as sglang's truth test does
+            ext = {"routed_experts": routes, **ext}
         if ext:
             out["sglext"] = ext
         return out
@@ -201,6 +217,18 @@ class SglangBodies:
                 data = f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             await resp.write(data.encode("utf-8"))
         await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_abort(self, request: web.Request, message: str) -> web.StreamResponse:
+        """A streamed request the scheduler aborted with an error (status 400): sglang has already answered 200, so
+        its stream holds one error chunk, in its streaming error shape, then `[DONE]`."""
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        error = {"object": "error", "message": message, "type": "BAD_REQUEST", "param": None, "code": 400}
+        await resp.write(f"data: {json.dumps({'error': error}, ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
         return resp
 
@@ -293,18 +321,17 @@ class SglangBodies:
         if fault == "wrong_prompt_ids" and "input_ids" in ext:
             ids = ext["input_ids"]
             ids[-1] = ids[-1] + 1 if ids[-1] + 1 < self.tokenizer.size else ids[-1] - 1
+        # The routes (known once the request finished) ride in the sglext chunk, with the ids; framed, sglang splits
+        # that chunk: the routes in a plain data chunk, then the ids in their `sglext_ids` event.
+        routes = self._routes(body, gen)
+        ext_chunk = {"id": gen.rid, "object": "chat.completion.chunk", "created": gen.created, "model": gen.model,
+                     "choices": []}  # fmt: skip
+        if routes is not None and request.headers.get("x-sglext-ids-framed") == "1":
+            yield {**ext_chunk, "sglext": {"routed_experts": routes}}
+        elif routes is not None:
+            ext = {"routed_experts": routes, **ext}
         if ext:
-            yield (
-                "sglext_ids",
-                {
-                    "id": gen.rid,
-                    "object": "chat.completion.chunk",
-                    "created": gen.created,
-                    "model": gen.model,
-                    "choices": [],
-                    "sglext": ext,
-                },
-            )
+            yield ("sglext_ids", {**ext_chunk, "sglext": ext})
         opts = body.get("stream_options")
         if isinstance(opts, dict) and truthy(opts.get("include_usage")):
             usage = self._usage(gen)

@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's context length it reports at /v1/models; a prompt plus its max_tokens at or past it is a "
         "400, in sglang's words (default: 40960, Qwen3's)",
     )
+    ap.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as sglang's flag: a request with return_routed_experts gets the scripted model's expert routes",
+    )
     args = ap.parse_args(argv)
     preferred: dict[str, dict[str, Any]] = {}
     for spec in args.call_tool:
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_rounds=args.tool_rounds,
         tool_budget=args.tool_budget,
         context_length=args.context_length,
+        routed_experts=args.enable_return_routed_experts,
         **({"summary_text": args.summary_answer} if args.summary_answer is not None else {}),
     )
     try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from tito_addon.replicas.expert_routing import ExpertRoutingFields
 
 MODEL_ID = "reference-model"
 #: sglang version this replica claims to be (``/get_server_info``), by mode.
@@ -12,8 +14,9 @@ SGLANG_VERSION = "0.5.23"
 OLD_SGLANG_VERSION = "0.5.12"
 
 
-class ReplicaConfig(BaseModel):
-    """How the replica behaves.  Only ``tokenizer`` is required."""
+class ReplicaConfig(ExpertRoutingFields):
+    """How the replica behaves.  Only ``tokenizer`` is required; the routed-experts knobs (``routed_experts``,
+    ``moe_layers``, ``moe_topk``, ``moe_experts``) are :class:`ExpertRoutingFields`'."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -41,6 +41,11 @@ class BadRequest(Exception):
     """A request sglang would answer with HTTP 400."""
 
 
+class AbortedRequest(BadRequest):
+    """A request sglang's scheduler ends at once with an error abort (status 400): whole, the 400 error body; streamed,
+    an error chunk in a 200 stream."""
+
+
 def truthy(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes"))
 
@@ -229,6 +234,25 @@ class SglangGeneration:
                 "to fit within the limit."
             )
 
+    def _check_routes_start(self, prompt_len: int, body: dict[str, Any]) -> None:
+        """sglang >= 0.5.13's scheduler check of `routed_experts_start_len` (in [0, prompt length]), made whenever the
+        request asks for routes, the server flag on or off; it aborts the request with this message."""
+        if not self.config.honor_input_ids or not truthy(body.get("return_routed_experts")):
+            return
+        start = body.get("routed_experts_start_len", 0)
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise BadRequest("routed_experts_start_len must be an integer.")
+        if start < 0:
+            raise AbortedRequest(
+                f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                "routed_experts_start_len."
+            )
+        if start > prompt_len:
+            raise AbortedRequest(
+                f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={prompt_len}. Please use a smaller routed_experts_start_len."
+            )
+
     def _noncanonical(
         self, text: str, spans: list[tuple[int, int]], fallback: list[tuple[int, int]]
     ) -> tuple[list[int], list[int]]:
@@ -238,6 +262,7 @@ class SglangGeneration:
         tok = self.tokenizer
         prompt_ids = self._prompt_ids(body)
         self._check_context(len(prompt_ids), body)
+        self._check_routes_start(len(prompt_ids), body)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = kwargs.get("enable_thinking") is not False
         continued = self.pause.continuation(prompt_ids) if self.config.honor_input_ids else None

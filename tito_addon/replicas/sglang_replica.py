@@ -42,6 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from tito_addon.replicas.engine_pause import PAUSE_MODES, EnginePause, Generation
+from tito_addon.replicas.expert_routing import route_rows, sglang_routes_b64
 from tito_addon.replicas.faults import TRANSPORT_FAULTS, answer_transport_fault
 from tito_addon.replicas.replica_runner import BackendThread, ServedApp, json_response
 from tito_addon.replicas.replica_tokenizer import load_tokenizer
@@ -49,6 +50,7 @@ from tito_addon.replicas.scripted_model import logprob, tool_functions
 from tito_addon.replicas.sglang_bodies import SglangBodies
 from tito_addon.replicas.sglang_config import MODEL_ID, OLD_SGLANG_VERSION, ReplicaConfig
 from tito_addon.replicas.sglang_generation import (
+    AbortedRequest,
     BadRequest,
     ParsedOutput,
     SglangGeneration,
@@ -236,6 +238,13 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             self.scored.append(body)
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return json_response(_error_body("input_ids must be a non-empty list of ints", 400), status=400)
+        try:  # the scheduler's check of the routes' start: an abort whose message /generate answers as a 400
+            self._check_routes_start(len(ids), body)
+        except BadRequest as exc:
+            return json_response({"error": {"message": str(exc)}}, status=400)
+        routes_from = None  # where the routes start (an older server: always 0), None for no routes
+        if self.config.routed_experts and truthy(body.get("return_routed_experts")):
+            routes_from = body.get("routed_experts_start_len", 0) if self.config.honor_input_ids else 0
         start = body.get("logprob_start_len", -1)
         start = len(ids) - 1 if not isinstance(start, int) or start < 0 else start
         shift = self.config.checkpoint_shift
@@ -246,6 +255,8 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
                 "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
                 "input_token_logprobs": scored if body.get("return_logprob") else [],
                 "output_token_logprobs": []}  # fmt: skip
+        if routes_from is not None:  # no output: rows [start, prompt - 1)
+            meta["routed_experts"] = sglang_routes_b64(route_rows(self.config, ids, routes_from))
         return json_response({"text": "", "output_ids": [], "meta_info": meta})
 
     # ----------------------------------------------------------------- chat
@@ -272,6 +283,8 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
             self._validate(body, stream)
             gen = self._generate(body, t0)
         except BadRequest as exc:
+            if stream and isinstance(exc, AbortedRequest):
+                return await self._stream_abort(request, str(exc))
             return json_response(_error_body(str(exc), 400), status=400)
         rid = body.get("rid")
         if isinstance(rid, str) and rid:

@@ -30,8 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="0 = any free port")
     ap.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
     ap.add_argument("--latency", type=float, default=0.0, help="seconds to sleep before each generate answer")
+    ap.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as vLLM's flag: each finished generate choice carries the scripted model's expert routes",
+    )
     args = ap.parse_args(argv)
-    config = VllmReplicaConfig(tokenizer=args.tokenizer, latency_s=args.latency)
+    config = VllmReplicaConfig(
+        tokenizer=args.tokenizer, latency_s=args.latency, routed_experts=args.enable_return_routed_experts
+    )
     try:
         asyncio.run(serve_until_stopped(VllmReplica(config), args.host, args.port, args.port_file))
     except KeyboardInterrupt:  # pragma: no cover - the signal handler normally catches it

@@ -8,8 +8,9 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from tito_addon.replicas.expert_routing import ExpertRoutingFields
 from tito_addon.replicas.replica_tokenizer import ReplicaTokenizer
 
 _ERROR_TYPES = {
@@ -31,8 +32,9 @@ _ERROR_TYPES = {
 MAX_TOP_LOGPROBS = 20
 
 
-class VllmReplicaConfig(BaseModel):
-    """How the vLLM replica behaves.  Only ``tokenizer`` is required."""
+class VllmReplicaConfig(ExpertRoutingFields):
+    """How the vLLM replica behaves.  Only ``tokenizer`` is required; the routed-experts knobs (``routed_experts``,
+    ``moe_layers``, ``moe_topk``, ``moe_experts``) are :class:`ExpertRoutingFields`'."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -128,6 +128,10 @@ class DerenderEndpoint(VllmEndpoint):
                 raise bad_request("generate_response.choices must hold objects", param="generate_response")
             ids = ch.get("token_ids")
             index = ch.get("index", 0)
+            routes = ch.get("routed_experts")
+            if routes is not None and not isinstance(routes, str):  # accepted, never echoed: the choice model's type
+                where = f"generate_response.choices.{len(choices)}.routed_experts"
+                raise bad_request(f"{where}: Input should be a valid string", param=f"body.{where}")
             if not ids or not isinstance(ids, list):
                 raise bad_request(f"choice {index} has empty or null token_ids")
             if not all(is_int(t) and 0 <= t < tok.size for t in ids):

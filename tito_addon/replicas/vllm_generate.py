@@ -3,7 +3,8 @@
 Generate has no messages: it decodes the prompt ids, recovers the Qwen3 conversation from the text and lets the
 scripted model decide the completion, with its non-canonical splits. Answers in the version's shape (0.32: usage,
 ``weight_versions`` spans, integer-id logprobs, a per-token SSE stream; 0.24: a random ``request_id`` and
-``"token_id:N"`` logprob placeholders), with the generate-only body faults applied.
+``"token_id:N"`` logprob placeholders), with the generate-only body faults applied. With the server's
+``--enable-return-routed-experts`` (``routed_experts``) each finished choice carries its routes, as a ``.npy``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from tito_addon.replicas.engine_pause import EnginePause, Generation, spans_of
+from tito_addon.replicas.expert_routing import route_rows, vllm_routes_b64
 from tito_addon.replicas.replica_tokenizer import noncanonical_ids
 from tito_addon.replicas.scripted_model import completion_text, conversation_from_prompt, logprob, script_turn
 from tito_addon.replicas.vllm_config import MAX_TOP_LOGPROBS, VllmEndpoint, bad_request, is_int
@@ -59,6 +61,7 @@ class GenerateEndpoint(VllmEndpoint):
         k = sp.get("logprobs")
         if k is not None and (not is_int(k) or k < -1):
             raise bad_request("logprobs must be a non-negative integer or -1", param="logprobs")
+        routes_from = self._routes_start(sp, len(ids))
 
         prompt_ids = [int(t) for t in ids]
         continued = self.pause.continuation(prompt_ids)
@@ -93,7 +96,37 @@ class GenerateEndpoint(VllmEndpoint):
             "plan": plan,
             "labels": [],
             "top_k": None if k is None else (MAX_TOP_LOGPROBS if k == -1 else min(k, MAX_TOP_LOGPROBS)),
+            "routes_from": routes_from,
         }
+
+    def _routes_start(self, sp: dict[str, Any], n_prompt: int) -> int:
+        """`sampling_params.routed_experts_prompt_start`: 0.32's input processor refuses one outside [0, prompt
+        length], the server flag on or off; 0.24 checks nothing (its scheduler asserts), here it is clamped."""
+        start = sp.get("routed_experts_prompt_start")
+        if start is None:
+            return 0
+        if not is_int(start):
+            raise bad_request(
+                "routed_experts_prompt_start: Input should be a valid integer", param="routed_experts_prompt_start"
+            )
+        if not self.v32:
+            return min(max(start, 0), n_prompt)
+        if not 0 <= start <= n_prompt:
+            raise bad_request(
+                f"routed_experts_prompt_start must be between 0 and the prompt length ({n_prompt}), inclusive. "
+                f"(parameter=routed_experts_prompt_start, value={start})",
+                param="routed_experts_prompt_start",
+            )
+        return start
+
+    def _routes(self, gen: dict[str, Any]) -> str | None:
+        """`routed_experts` of a finished generation: base64 `.npy` of the rows `[start, num_tokens - 1)` over the
+        prompt and the output ids it kept (a stop string's trim drops their rows too); None with the server flag
+        off, or for an abort before any forward pass (no token sampled)."""
+        if not self.config.routed_experts or not gen["ids"]:
+            return None
+        rows = route_rows(self.config, gen["prompt_ids"] + gen["ids"], gen["routes_from"])
+        return vllm_routes_b64(rows, self.config.moe_experts)
 
     def _alternatives(self, tid: int, count: int) -> list[int]:
         first_added = self.tokenizer.first_added
@@ -154,7 +187,7 @@ class GenerateEndpoint(VllmEndpoint):
                 "logprobs": logprobs,
                 "finish_reason": gen["finish"],
                 "token_ids": self._ids_with_fault(ids, fault),
-                "routed_experts": None,
+                "routed_experts": self._routes(gen),
             }
             if fault == "missing_ids":
                 del choice["token_ids"]
@@ -169,7 +202,7 @@ class GenerateEndpoint(VllmEndpoint):
             "finish_reason": gen["finish"],
             "stop_reason": gen.get("stop_reason") if gen["finish"] == "stop" else None,
             "token_ids": self._ids_with_fault(ids, fault),
-            "routed_experts": None,
+            "routed_experts": self._routes(gen),
             "sampling_mask": None,
             "weight_versions": self._weight_versions(gen),
             "logprobs": logprobs,
@@ -248,7 +281,7 @@ class GenerateEndpoint(VllmEndpoint):
             "finish_reason": gen["finish"] if final else None,
             "stop_reason": gen.get("stop_reason") if final and gen["finish"] == "stop" else None,
             "token_ids": self._ids_with_fault(ids[i : i + 1], fault),
-            "routed_experts": None,
+            "routed_experts": self._routes(gen) if final else None,  # 0.32: concatenated once the request finished
             "sampling_mask": None,
             "weight_versions": self._weight_versions(gen) if final else None,
             "logprobs": self._logprobs(gen, i, min(i + 1, len(ids)), fault),
