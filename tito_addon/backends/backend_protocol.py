@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tito_addon.backends.engine_failover import FailoverLog
+from tito_addon.backends.expert_routes import RoutesAsked, TurnRoutes
 from tito_addon.canonical_chat import AssistantMessage, ChatRequest
 from tito_addon.engine.prompt_ids import PromptIds
 from tito_addon.tito_errors import UpstreamMalformed
@@ -29,6 +30,7 @@ class BackendTurn:
     special_ids: frozenset[int] = frozenset()  # the tokenizer's added and special tokens
     output_text: Callable[[list[int]], str] | None = None  # generated ids' text, as stop strings are checked on it
     failover: FailoverLog = field(default_factory=FailoverLog)  # the engines its calls may go to, what failed over
+    routes: RoutesAsked | None = None  # its MoE routes, asked from where its session's recorded ones end
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -50,6 +52,8 @@ class BackendResult:
     weight_version_spans: list[dict[str, Any]] | None = None  # only when the weights changed mid-turn
     # Only for a generation the backend aborted and we resumed: {attempts, cuts} (`StitchedGeneration.record`).
     resumed: dict[str, Any] | None = None
+    # Asked for (`BackendTurn.routes`): the MoE routes its engine requests gave, laid from where they were asked.
+    routes: TurnRoutes | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tito_addon.backends.backend_protocol import weight_version_of
+from tito_addon.backends.expert_routes import Reader, RoutesAsked, RoutesRead, TurnRoutes, answered_routes
 from tito_addon.tito_errors import TitoError
 
 ABORT = "abort"
@@ -77,6 +78,28 @@ class StitchedGeneration:
     first_cut_at: float | None = None
     stats: ResumeStats | None = None
     ended: bool = False
+    routes: TurnRoutes | None = None  # when the turn asks for its MoE routes: each attempt's, laid end to end
+
+    @property
+    def routes_start(self) -> int | None:
+        """Where the next attempt's routes are asked from (the position after the last row so far); None when the turn
+        asks for none, or a gap ended them."""
+        if self.routes is None or self.routes.missing is not None:
+            return None
+        return self.routes.end
+
+    def add_routes(self, read: RoutesRead) -> None:
+        """An attempt's routes, read before it is added (`add`, `cut`)."""
+        if self.routes is not None:
+            self.routes.add(read, resumed=bool(self.attempts))
+
+    def read_routes(self, read: Reader, text: Any, sampled: int, aborted: bool = False) -> None:
+        """The routes of the attempt under way (its prompt: `attempt_prompt`), which sampled `sampled` tokens, from
+        the backend's answer `text`; before the attempt is added."""
+        start = self.routes_start
+        if self.routes is not None and start is not None:
+            asked = RoutesAsked(start, self.routes.asked.shape)
+            self.add_routes(answered_routes(read, text, asked, len(self.attempt_prompt()), sampled, aborted))
 
     @property
     def resumed(self) -> bool:
@@ -188,6 +211,8 @@ class StitchedGeneration:
             kept += take
         self.ids, self.logprobs, self.entries = self.ids[:count], self.logprobs[:count], self.entries[:count]
         self.cuts = [c for c in self.cuts if c < count]
+        if self.routes is not None:  # the last kept token has no route of this turn's
+            self.routes.truncate(len(self.prompt_ids) + count - 1)
 
 
 def attempt_spans(value: Any, count: int) -> list[dict[str, Any]] | None:

@@ -62,6 +62,16 @@ class ChatAttempt:
     def aborted(self) -> bool:
         return self.finish.get("type") == ABORT
 
+    @property
+    def routes_text(self) -> Any:
+        """Its MoE routes as sglang sent them: in `meta_info` where it was asked for (0.5.23 puts them only there),
+        else in the response's `sglext`."""
+        text = self.meta.get("routed_experts")
+        sglext = self.body.get("sglext")
+        if text is None and isinstance(sglext, dict):
+            text = sglext.get("routed_experts")
+        return text
+
     def kept(self) -> Attempt:
         """What the stitched generation keeps of it: its tokens, log-probs, spans and OpenAI log-prob entries."""
         count = len(self.ids)
@@ -74,14 +84,18 @@ class ChatAttempt:
 
 
 def resumed_body(body: dict[str, Any], stitched: StitchedGeneration) -> dict[str, Any] | None:
-    """The next attempt's fields: a fresh request id (sglang aborts ids by prefix), the budgets less what was sampled;
-    None when no token is left to sample."""
+    """The next attempt's fields: a fresh request id (sglang aborts ids by prefix), the budgets less what was sampled,
+    its routes asked from where the last attempt's ended; None when no token is left to sample."""
     resumed = {**body, "rid": fresh_request_id()}
     for key in BUDGETS:
         if key in resumed and resumed[key] is not None:
             resumed[key] = stitched.left_of(resumed[key])
     if any(resumed.get(key) == 0 for key in ("max_tokens", "max_completion_tokens")):
         return None
+    if stitched.routes is not None:
+        start = stitched.routes_start  # from where the last attempt's routes ended; a gap asks for none
+        resumed["return_routed_experts"] = start is not None
+        resumed["routed_experts_start_len"] = start or 0
     return resumed
 
 

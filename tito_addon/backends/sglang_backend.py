@@ -33,6 +33,7 @@ from tito_addon.backends.backend_protocol import (
     weight_spans_of,
     weight_version_of,
 )
+from tito_addon.backends.expert_routes import TurnRoutes, read_sglang
 from tito_addon.backends.parser_inputs import sglang_messages
 from tito_addon.backends.resumed_generation import (
     ABORT,
@@ -72,6 +73,13 @@ def with_input_ids(body: dict[str, Any], pieces: Sequence[bytes]) -> list[bytes]
     prompt."""
     head = dumps(body)  # (which holds no `input_ids` of the agent's: both callers drop them)
     return [head[:-1] + (b',"input_ids":[' if len(head) > 2 else b'"input_ids":['), *pieces, b"]}"]
+
+
+def asked_routes(turn: BackendTurn) -> dict[str, Any]:
+    """The fields that ask sglang (chat, 0.5.13+) for the turn's MoE routes, from where its session's end."""
+    if turn.routes is None:
+        return {}
+    return {"return_routed_experts": True, "routed_experts_start_len": turn.routes.start}
 
 
 class SglangBackend:
@@ -115,7 +123,8 @@ class SglangBackend:
         return found is not None and found >= STREAM_IDS_VERSION
 
     def stitched(self, turn: BackendTurn) -> StitchedGeneration:
-        return StitchedGeneration(turn.prompt_ids, self.resume, stats=self.resume_stats)
+        routes = TurnRoutes(turn.routes, []) if turn.routes is not None else None
+        return StitchedGeneration(turn.prompt_ids, self.resume, stats=self.resume_stats, routes=routes)
 
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
         """A streamed chat completion on our `input_ids`; the ids it ran on and produced arrive in the final
@@ -129,6 +138,7 @@ class SglangBackend:
         if echo:
             body["return_input_ids_in_sglext"] = True
         body.pop("return_prompt_token_ids", None)
+        body.update(asked_routes(turn))
         asked_logprobs = bool(turn.chat_body.get("logprobs"))
         values: list[Any] = []
         accumulated = MessageAccumulator()
@@ -144,8 +154,8 @@ class SglangBackend:
             async for event in events:
                 if "error" in event:
                     raise UpstreamMalformed(f"sglang stream failed: {str(event['error'])[:300]}")
-                if isinstance(event.get("sglext"), dict):
-                    sglext = event["sglext"]
+                if isinstance(event.get("sglext"), dict):  # (the ids, and the routes, may come in chunks of their own)
+                    sglext = {**(sglext or {}), **{k: v for k, v in event["sglext"].items() if v is not None}}
                 if isinstance(event.get("usage"), dict):
                     counted = event["usage"].get("prompt_tokens", counted)
                 weight = metadata_weight_version(event) or weight
@@ -191,10 +201,13 @@ class SglangBackend:
         else:
             completion_ids = checked_ids(streamed, "output ids")
         logprobs = checked_logprobs(values, len(completion_ids))
-        if finish != ABORT:
-            yield stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs, weight=(weight, None))
-            return
         stitched = self.stitched(turn)
+        stitched.read_routes(read_sglang, sglext.get("routed_experts"), len(completion_ids), finish == ABORT)
+        if finish != ABORT:
+            end = stream_end(turn, base, accumulated.message(), finish, completion_ids, logprobs, weight=(weight, None))
+            end.result.routes = stitched.routes
+            yield end
+            return
         finished = False
         try:
             stitched.cut(Attempt(completion_ids, logprobs, None))
@@ -210,6 +223,7 @@ class SglangBackend:
                 turn, base, message, final, stitched.ids, stitched.logprobs, weight=recorded_spans(stitched.spans())
             )
             end.result.resumed = stitched.record()
+            end.result.routes = stitched.routes
             finished = True
             yield end
         finally:
@@ -228,6 +242,7 @@ class SglangBackend:
         body.update(logprobs=True, return_meta_info=True, stream=False)
         if echo:
             body["return_prompt_token_ids"] = True
+        body.update(asked_routes(turn))
         return body
 
     def upstream_payload(self, turn: BackendTurn, echo: bool = True) -> list[bytes]:
@@ -272,15 +287,19 @@ class SglangBackend:
         )
         if echo:
             self._echo_verified.add(turn.base_url)
-        if not attempt.aborted:
-            return self.result(attempt, turn)
         stitched = self.stitched(turn)
+        stitched.read_routes(read_sglang, attempt.routes_text, len(attempt.ids), attempt.aborted)
+        if not attempt.aborted:
+            result = self.result(attempt, turn)
+            result.routes = stitched.routes
+            return result
         finished = False
         try:
             stitched.cut(attempt.kept())
             last, final = await self._continue(turn, stitched)
             message, final, _ = await self._whole_message(turn, stitched, last, final)
             result = self.stitched_result(turn, stitched, (attempt, last or attempt), message, final)
+            result.routes = stitched.routes
             finished = True
             return result
         finally:
@@ -297,6 +316,7 @@ class SglangBackend:
             attempt = await self._attempt(
                 turn, request, attempt_pieces(turn, stitched), stitched.attempt_prompt(), True
             )
+            stitched.read_routes(read_sglang, attempt.routes_text, len(attempt.ids), attempt.aborted)
             if not attempt.aborted:
                 stitched.add(attempt.kept())
                 return attempt, str(attempt.finish.get("type") or "stop")
@@ -390,10 +410,15 @@ class SglangBackend:
         """The ordinary chat completion: fields we forced on and the agent did not ask for are removed."""
         cleaned = dict(body)
         choices = []
+        own_routes = bool(chat_body.get("return_routed_experts"))  # the agent's own ask, not only ours
+        if not own_routes and isinstance(body.get("sglext"), dict) and "routed_experts" in body["sglext"]:
+            cleaned["sglext"] = {k: v for k, v in body["sglext"].items() if k != "routed_experts"}
         for choice in body.get("choices", []):
             choice = dict(choice)
             if not chat_body.get("return_meta_info"):
                 choice.pop("meta_info", None)
+            elif not own_routes and isinstance(choice.get("meta_info"), dict):
+                choice["meta_info"] = {k: v for k, v in choice["meta_info"].items() if k != "routed_experts"}
             if not chat_body.get("return_prompt_token_ids"):
                 choice.pop("prompt_token_ids", None)
             if not chat_body.get("logprobs"):

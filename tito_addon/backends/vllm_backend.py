@@ -37,6 +37,7 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.engine_failover import FailoverLog
+from tito_addon.backends.expert_routes import without_routes
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
 from tito_addon.backends.resumed_generation import (
     DEFAULT_RESUME,
@@ -181,8 +182,13 @@ class VllmBackend:
         chat, served = await self.served_chat_request(turn)
         generate_request, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render", turn.failover)
         skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
-        generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version)
+        generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version, turn)
         generated, stitched = await self.generation.run(turn, generate_request)
+        # Read (`VllmGeneration`); derender has no use for them, and they can be megabytes.
+        generated = {
+            **generated,
+            "choices": [without_routes(c) if isinstance(c, dict) else c for c in generated["choices"]],
+        }
         completion_ids, logprobs, finish = harvest_generate(generated, turn.prompt_ids)
         # 0.32+ derender reads the prompt from the generate response's echo (checked above) and the seed field.
         compact = self.compact_requests and version.at_least(0, 32)
@@ -213,11 +219,16 @@ class VllmBackend:
             result.weight_version, result.weight_version_spans = weight_spans_of(weights, len(completion_ids))
         if served is not None:
             result.extra["served_model"] = served
+        result.routes = stitched.routes
         return result
 
     @staticmethod
     def generate_request(
-        rendered: dict[str, Any], chat: dict[str, Any], prompt_ids: list[int], version: VllmVersion
+        rendered: dict[str, Any],
+        chat: dict[str, Any],
+        prompt_ids: list[int],
+        version: VllmVersion,
+        turn: BackendTurn | None = None,
     ) -> dict[str, Any]:
         request = dict(rendered)
         request["token_ids"] = prompt_ids
@@ -230,6 +241,8 @@ class VllmBackend:
         wanted = chat.get("max_completion_tokens") or chat.get("max_tokens")
         if isinstance(wanted, int) and "max_tokens" not in sampling:
             sampling["max_tokens"] = wanted  # vLLM render drops exactly 16 (the SamplingParams default)
+        if turn is not None and turn.routes is not None:
+            sampling["routed_experts_prompt_start"] = turn.routes.start
         request["sampling_params"] = sampling
         if version.at_least(0, 30):
             request["return_token_ids"] = True  # so generate proves which prompt it ran on
@@ -246,7 +259,7 @@ class VllmBackend:
         chat, served = await self.served_chat_request(turn)
         rendered, _ = await self._call(turn.base_url + RENDER_PATH, chat, turn.headers, "render", turn.failover)
         skew = render_skew(rendered.get("token_ids"), turn.prompt_ids)
-        request = self.generate_request(rendered, chat, turn.prompt_ids, version)
+        request = self.generate_request(rendered, chat, turn.prompt_ids, version, turn)
         request["stream"] = True
         request["stream_options"] = {"include_usage": True}
         ids: list[int] = []
@@ -354,6 +367,7 @@ class VllmBackend:
         weight = recorded_spans(weights) if stitched.resumed else weight_spans_of(weights, len(completion_ids))
         end = stream_end(turn, base, message, finish_reason, completion_ids, logprobs, extra, weight)
         end.result.resumed = stitched.record()
+        end.result.routes = stitched.routes
         yield end
 
     @staticmethod

@@ -15,6 +15,7 @@ from typing import Any
 
 from tito_addon.backends.backend_protocol import BackendTurn, checked_ids, checked_logprobs
 from tito_addon.backends.engine_failover import FailoverLog
+from tito_addon.backends.expert_routes import RoutesRead, TurnRoutes, read_vllm, without_routes
 from tito_addon.backends.resumed_generation import (
     ABORT,
     Attempt,
@@ -45,7 +46,8 @@ class VllmGeneration:
         self.stats = stats
 
     def stitched(self, turn: BackendTurn) -> StitchedGeneration:
-        return StitchedGeneration(turn.prompt_ids, self.resume, stats=self.stats)
+        routes = TurnRoutes(turn.routes, []) if turn.routes is not None else None
+        return StitchedGeneration(turn.prompt_ids, self.resume, stats=self.stats, routes=routes)
 
     async def run(self, turn: BackendTurn, request: dict[str, Any]) -> tuple[dict[str, Any], StitchedGeneration]:
         """The generate response for the turn: the backend's own, or, when it aborted the generation (a weight
@@ -71,8 +73,10 @@ class VllmGeneration:
             choice = first_choice(generated)
             aborted = choice.get("finish_reason") == ABORT
             if not aborted and not stitched.resumed:
+                attempt_routes(stitched, choice, len(choice.get("token_ids") or []), False)
                 return generated
             ids, values, finish = harvest_generate(generated, stitched.attempt_prompt(), may_be_empty=aborted)
+            attempt_routes(stitched, choice, len(ids), aborted)
             entries = (choice.get("logprobs") or {}).get("content") or []
             attempt = Attempt(ids, values, attempt_spans(choice.get("weight_versions"), len(ids)), list(entries))
             if not aborted:
@@ -144,6 +148,10 @@ class VllmGeneration:
                                 yield event
                             continue
                         spans = attempt_spans(choice.get("weight_versions"), len(ids))
+                        attempt_routes(stitched, choice, len(ids), finish == ABORT, True)
+                        if choice.get("routed_experts") is not None:  # read: derender and the agent never need them
+                            choice = without_routes(choice)
+                            event = {**event, "choices": [choice, *event["choices"][1:]]}
                         if stopped is not None:  # the attempt's end, read for its spans: the generation ends there
                             stitched.add(Attempt(ids, [], spans))
                             stitched.truncate(len(stitched.ids) - len(ids) + stopped[0])
@@ -192,15 +200,28 @@ def cut_chunk(event: dict[str, Any], choice: dict[str, Any], keep: int) -> dict[
     return {**event, "usage": None, "choices": [part]}
 
 
+def attempt_routes(
+    stitched: StitchedGeneration, choice: dict[str, Any], sampled: int, aborted: bool, streamed: bool = False
+) -> None:
+    """The routes of one generate answer, read before the attempt is added (its prompt is the attempt's)."""
+    text = choice.get("routed_experts")
+    if streamed and text is None and not (aborted and sampled == 0) and stitched.routes_start is not None:
+        stitched.add_routes(RoutesRead(None, "vLLM's generate stream carried no routed experts"))
+    stitched.read_routes(read_vllm, text, sampled, aborted)
+
+
 def resumed_request(request: dict[str, Any], stitched: StitchedGeneration) -> dict[str, Any] | None:
     """The next attempt: generate on the prompt and everything sampled so far, under a new request id, with the
-    budgets less what was sampled; None when no token is left to sample."""
+    budgets less what was sampled (and its routes asked from where the last attempt's ended); None when no token is
+    left to sample."""
     sampling = dict(request["sampling_params"])
     for key in ("max_tokens", "min_tokens"):
         if key in sampling:
             sampling[key] = stitched.left_of(sampling[key])
     if sampling.get("max_tokens") == 0:
         return None
+    if stitched.routes_start is not None:
+        sampling["routed_experts_prompt_start"] = stitched.routes_start
     return {**request, "token_ids": stitched.attempt_prompt(), "request_id": fresh_request_id(),
             "sampling_params": sampling}  # fmt: skip
 
@@ -211,7 +232,7 @@ def stitched_response(
     """One generate response for the whole generation, as derender and the record read it (under the first
     attempt's request id: the reply's id is made from it, and must not show the cut)."""
     choice = {
-        **first_choice(last),
+        **without_routes(first_choice(last)),
         "token_ids": stitched.ids,
         "logprobs": {"content": stitched.entries},
         "finish_reason": finish,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tito_addon.backends.backend_routes import normalize_backend_url, parse_backends
+from tito_addon.backends.expert_routes import RouteShape
 from tito_addon.backends.upstream_headers import ROUTER_SESSION_KEYS
 from tito_addon.engine.model_families import FAMILIES
 from tito_addon.engine.token_engine import APPENDABLE_ROLES, FORBIDDEN_KWARGS
@@ -143,6 +144,17 @@ class TitoSettings(BaseModel):
         "extends the closed turns).",
     )
     max_sessions: int = option(10000, "Live sessions kept; the least recently used closes first (0: no limit).")
+    routed_experts: bool = option(
+        False,
+        "Mixture-of-experts models: ask the backend for every turn's routes (the experts each token went to, per "
+        "layer: rollout routing replay) and record them beside the session. Each turn asks only from where its "
+        "parents' routes end. The engine must run with --enable-return-routed-experts.",
+    )
+    routed_experts_shape: str = option(
+        "",
+        "LAYERSxTOPK of the model's routes (its num_hidden_layers x num_experts_per_tok, e.g. 48x8): needed on sglang, "
+        "whose routes carry no shape; vLLM's are checked against it.",
+    )
 
     @classmethod
     def declare_options(cls, loader: Any) -> None:
@@ -213,6 +225,24 @@ class TitoSettings(BaseModel):
             raise ValueError("tito_engines is a fixed list of engines without a router: set it or tito_router")
         if self.engines and self.backend_url and self.backend_url != self.engines[0]:
             raise ValueError("tito_engines replaces tito_backend_url: set one of them")
+        return self
+
+    @field_validator("routed_experts_shape")
+    @classmethod
+    def _route_shape(cls, value: str) -> str:
+        return str(RouteShape.parse(value) or "")
+
+    @property
+    def route_shape(self) -> RouteShape | None:
+        return RouteShape.parse(self.routed_experts_shape)
+
+    @model_validator(mode="after")
+    def _routes_carried(self) -> TitoSettings:
+        if self.routed_experts and self.backend_kind == "sglang" and self.route_shape is None:
+            raise ValueError(
+                "tito_routed_experts on sglang needs tito_routed_experts_shape (LAYERSxTOPK: the model's "
+                "num_hidden_layers x num_experts_per_tok): sglang's routes carry no shape"
+            )
         return self
 
     @field_validator("backend_url")

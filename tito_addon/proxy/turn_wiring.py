@@ -15,6 +15,7 @@ from pathlib import Path
 from tito_addon.backends.backend_kinds import make_backend
 from tito_addon.backends.backend_routes import BackendRoutes, backend_url_from_env
 from tito_addon.backends.engine_failover import EngineList, FailoverPolicy
+from tito_addon.backends.expert_routes import RoutesWanted
 from tito_addon.backends.resumed_generation import ResumePolicy, ResumeStats
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.backends.upstream_headers import ROUTER_SESSION_KEYS
@@ -130,6 +131,7 @@ class TurnWiring:
             warm_apis=self.service.apis if self.service is not None else (),
             after_close=settings.after_close,
             in_flight=self.in_flight,
+            routed_experts=RoutesWanted(settings.route_shape) if settings.routed_experts else None,
         )
         self.settings, self.engine = settings, engine
         tune_collector(settings.gc_threshold)

@@ -78,6 +78,49 @@ class Resumption(BaseModel):
     cuts: list[int]  # where each aborted attempt ended, as a count of the turn's completion tokens
 
 
+ROUTES_SUFFIX = ".routes"
+# A side file's name as the recorder makes it (`trajectory_recorder.routes_file_name`): never a path, never `..`.
+_ROUTES_FILE = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,250}\.routes$"
+
+
+class RoutedExperts(BaseModel):
+    """A turn's mixture-of-experts routes (asked with `tito_routed_experts`): the rows of its sequence's positions
+    `[start, start + rows)` (positions count its prompt, then its completion), kept in `file`, a side file of its
+    session in the record dir, from byte `offset`: a C-ordered `(rows, layers, topk)` array of `dtype`, no header.
+    The positions before `start` are its parent's (`records/expert_routes_reader` stitches them). `attempts`: a
+    generation resumed across an abort, where each later attempt's rows begin. `missing`: why the rows end before the
+    turn's last position but one (its last sampled token has no route of its own), e.g. a backend that streamed none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(ge=0)
+    rows: int = Field(ge=0)
+    layers: int | None = Field(default=None, ge=1)
+    topk: int | None = Field(default=None, ge=1)
+    dtype: Literal["uint8", "uint16", "int32"] | None = None
+    file: Annotated[str, StringConstraints(pattern=_ROUTES_FILE)] | None = None
+    offset: int | None = Field(default=None, ge=0)
+    attempts: list[int] | None = None
+    missing: str | None = None
+
+    @model_validator(mode="after")
+    def _shaped(self) -> RoutedExperts:
+        if self.file is not None and ".." in self.file:
+            raise ValueError("a routes file is a name in the record dir, never a path")
+        if self.rows and None in (self.layers, self.topk, self.dtype):
+            raise ValueError("routes with rows need their layers, topk and dtype")
+        return self
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+    @property
+    def nbytes(self) -> int:
+        width = {"uint8": 1, "uint16": 2, "int32": 4}[self.dtype] if self.dtype else 0
+        return self.rows * (self.layers or 0) * (self.topk or 0) * width
+
+
 class Failover(BaseModel):
     """Backend calls of a turn that a dead engine broke and the proxy sent again (`engine_failover`)."""
 
@@ -154,6 +197,10 @@ class TurnRecord(BaseModel):
     # Only when the backend served the turn under another model name than the agent's (`model`): vLLM answers only to
     # the names it serves, and an agent's side calls use their own small-model aliases.
     served_model: str | None = None
+    # Only with `tito_routed_experts`: its MoE routes (where they are kept, which positions, what is missing), and how
+    # many of its sequence's first positions its record chain holds routes for (all but its last: complete).
+    routed_experts: RoutedExperts | None = None
+    routed_experts_through: int | None = None
     # The episode the turn belongs to (a named session's name; in an automatic session, `SESSION/ROOT_TURN` of the
     # rollout's first turn), what kind of call it is, and on a segment's first turn that continues another, which
     # turn that is. `call_reason`: why the rules placed it so, where a rule rather than its parent decided. Lines
@@ -212,6 +259,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
     "served_model": None, "follows": None, "call_reason": None, "reasoning_tokens": None, "resumed": None,
+    "routed_experts": None, "routed_experts_through": None,
     "parent_weight_version": None, "engine": None, "failover": None,
 }  # fmt: skip
 

@@ -37,8 +37,10 @@ class Records(Protocol):
     """What is recorded of sessions, line by line. Writes raise `OSError` when the line could not be written; reads
     raise `OSError` or `RecordError`."""
 
-    def append_turn(self, session_id: str, fields: dict[str, Any]) -> None:
-        """A committed turn's line, from its fields (`TurnRecord.line_fields`, or built as those are)."""
+    def append_turn(self, session_id: str, fields: dict[str, Any], routes: bytes | None = None) -> None:
+        """A committed turn's line, from its fields (`TurnRecord.line_fields`, or built as those are), and its MoE
+        routes' rows (`fields["routed_experts"]` says their shape), kept first, where the line's file and offset
+        say."""
         ...
 
     def append_turn_record(self, record: TurnRecord) -> None:
@@ -78,7 +80,10 @@ class FileRecords:
         # Per digest: what it gave of each session, kept while no part of the session changed.
         self._reads: dict[Callable, SessionReads[Any]] = {}
 
-    def append_turn(self, session_id: str, fields: dict[str, Any]) -> None:
+    def append_turn(self, session_id: str, fields: dict[str, Any], routes: bytes | None = None) -> None:
+        if routes:
+            file, offset = self.lines.write_routes(session_id, routes)
+            fields["routed_experts"] = {**fields["routed_experts"], "file": file, "offset": offset}
         self.lines.write_turn_line(session_id, fields)
 
     def append_turn_record(self, record: TurnRecord) -> None:
@@ -126,7 +131,7 @@ class NullRecords:
 
     record_dir = None
 
-    def append_turn(self, session_id: str, fields: dict[str, Any]) -> None:
+    def append_turn(self, session_id: str, fields: dict[str, Any], routes: bytes | None = None) -> None:
         pass
 
     def append_turn_record(self, record: TurnRecord) -> None:

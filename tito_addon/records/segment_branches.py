@@ -9,12 +9,13 @@ tokens out of the mask of one row (`records/rollout_groups`'s `--dedupe-shared-t
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tito_addon.records.episode_segments import Segment, SegmentNotes, episode_segments
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import SessionFile
+from tito_addon.records.recorded_routes import SequenceRoutes, sequence_routes
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class Branch:
     episode: str
     segment: int
     session_key: int = 0  # which session file the turns are in (turn ids are unique only within one)
+    session: SessionFile | None = field(default=None, compare=False, repr=False)
+
+    def routes(self) -> SequenceRoutes | None:
+        """The MoE routes of `ids` (one row a position but the last), where the session recorded them."""
+        if self.session is None or self.path[-1].routed_experts is None:
+            return None
+        return sequence_routes(self.session, self.path[-1].turn_id)
 
     @property
     def prompt_len(self) -> int:
@@ -99,6 +107,7 @@ def branch_of(segment: Segment, ids: dict[int, tuple[list[int], list[int]]]) -> 
         segment.episode,
         segment.index,
         id(segment.session),
+        segment.session,
     )
 
 

@@ -28,6 +28,7 @@ field to its source. Parquet output has one fixed schema per layout and no times
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import io
@@ -40,7 +41,7 @@ from typing import Any
 from tito_addon.records.record_models import CALLS, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files, read_session
 from tito_addon.records.rollout_groups import Arrangement, PlacedRow, arrange
-from tito_addon.records.segment_branches import branches
+from tito_addon.records.segment_branches import Branch, branches
 
 LAYOUTS = ("generic", "verl", "slime", "verl-dataset")
 ROW_FILE_TYPES = ("parquet", "jsonl")
@@ -114,6 +115,29 @@ def _tail(row: PlacedRow) -> dict[str, Any]:
     }
 
 
+def routes_columns(branch: Branch, name: str) -> dict[str, Any]:
+    """The row's MoE routes, where its session recorded them: `name` holds an `.npy` file (`numpy.load` reads it) of
+    shape `(len(ids) - 1, layers, topk)`, row p the experts position p of the ids went to (the last token has none,
+    as the engines give them, and slime's `rollout_routed_experts` and verl's `routed_experts` take them); null, with
+    `routed_experts_missing` saying why, when the record does not hold them all. Both null: routes were not asked."""
+    routes = branch.routes()
+    if routes is None:
+        return {name: None, "routed_experts_missing": None}
+    if not routes.complete:
+        why = "; ".join(routes.missing) or "the record stops early"
+        said = f"routes of {routes.through} of {routes.positions} positions: {why}"
+        return {name: None, "routed_experts_missing": said}
+    return {name: npy_bytes(routes.array), "routed_experts_missing": None}
+
+
+def npy_bytes(array: Any) -> bytes:
+    import numpy as np
+
+    sink = io.BytesIO()
+    np.save(sink, array, allow_pickle=False)
+    return sink.getvalue()
+
+
 def generic_row(row: PlacedRow) -> dict[str, Any]:
     branch = row.branch
     return {
@@ -124,6 +148,7 @@ def generic_row(row: PlacedRow) -> dict[str, Any]:
         "rollout_weight_versions": branch.versions,
         "messages": json.dumps(branch.messages, ensure_ascii=False),
         "finish_reasons": [t.finish_reason for t in branch.path],
+        **routes_columns(branch, "routed_experts"),
         **_tail(row),
     }
 
@@ -158,6 +183,7 @@ def verl_row(row: PlacedRow) -> dict[str, Any]:
         "reward_score": reward,
         "__num_turns__": verl_num_turns(branch.path),
         "finish_reasons": [t.finish_reason for t in branch.path],
+        **routes_columns(branch, "routed_experts"),
         **_tail(row),
     }
 
@@ -193,6 +219,7 @@ def slime_row(row: PlacedRow) -> dict[str, Any]:
         "loss_mask": branch.mask[cut:],
         "rollout_log_probs": branch.logprobs[cut:],
         "status": SLIME_STATUS.get(leaf.finish_reason or "", "completed"),
+        **routes_columns(branch, "rollout_routed_experts"),
         # slime appends one `meta_info.weight_version` per generate call (`sglang_rollout.py`): a turn resumed across a
         # weight update made one call per attempt, each answered with the version current at its end.
         **_tail(row),
@@ -363,6 +390,8 @@ def schema(layout: str) -> Any:
             ("rollout_weight_versions", strings),
             ("messages", pa.string()),
             ("finish_reasons", strings),
+            ("routed_experts", pa.binary()),
+            ("routed_experts_missing", pa.string()),
         ],
         "verl": [
             ("uid", pa.string()),
@@ -376,6 +405,8 @@ def schema(layout: str) -> Any:
             ("reward_score", pa.float64()),
             ("__num_turns__", pa.int32()),
             ("finish_reasons", strings),
+            ("routed_experts", pa.binary()),
+            ("routed_experts_missing", pa.string()),
         ],
         "slime": [
             ("prompt", pa.string()),
@@ -385,6 +416,8 @@ def schema(layout: str) -> Any:
             ("loss_mask", mask),
             ("rollout_log_probs", floats),
             ("status", pa.string()),
+            ("rollout_routed_experts", pa.binary()),
+            ("routed_experts_missing", pa.string()),
         ],
     }[layout]
     return pa.schema(head + body + tail)
@@ -399,8 +432,8 @@ def encode_rows(rows: list[dict[str, Any]], layout: str, file_type: str) -> byte
     for row in rows:
         if list(row) != columns:
             raise ValueError(f"a row does not have the {layout} columns: {sorted(set(row) ^ set(columns))}")
-    if file_type == "jsonl":
-        lines = (json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
+    if file_type == "jsonl":  # bytes (an .npy of routes) as base64 text, as vLLM sends routes
+        lines = (json.dumps(row, ensure_ascii=False, allow_nan=False, default=_base64) + "\n" for row in rows)
         return "".join(lines).encode("utf-8")
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -408,6 +441,12 @@ def encode_rows(rows: list[dict[str, Any]], layout: str, file_type: str) -> byte
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema(layout)), sink)
     return sink.getvalue()
+
+
+def _base64(value: Any) -> str:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def resolve_format(fmt: str, file_type: str | None = None) -> tuple[str, str]:

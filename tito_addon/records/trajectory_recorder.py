@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tito_addon.records.record_models import (
+    ROUTES_SUFFIX,
     AnnotationRecord,
     SessionCloseRecord,
     TurnRecord,
@@ -54,6 +55,11 @@ def session_file_name(session_id: str) -> str:
     if _SAFE_NAME.fullmatch(session_id) and ".." not in session_id and not session_id.lower().startswith(DIGESTED):
         return f"{session_id}.jsonl"
     return f"{DIGESTED}{hashlib.sha256(session_id.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}.jsonl"
+
+
+def routes_file_name(jsonl_name: str) -> str:
+    """The side file that keeps the MoE routes of the turns of one session file (`<name>[+writer].routes`)."""
+    return jsonl_name[: -len(SUFFIX)] + ROUTES_SUFFIX
 
 
 def check_writer_id(writer: str) -> str:
@@ -185,6 +191,21 @@ class TrajectoryRecorder:
             self.close()
         except (AttributeError, OSError):
             pass
+
+    def write_routes(self, session_id: str, data: bytes) -> tuple[str, int]:
+        """A turn's MoE routes appended to this writer's side file of the session (`routes_file_name`), before its
+        line: the file's name and the offset they start at. Bytes a crash leaves before their line are never read."""
+        name = routes_file_name(self.path_for(session_id).name)
+        path = self.record_dir / name
+        fd = self._open_file(path)
+        try:
+            offset = os.fstat(fd).st_size
+            written = os.write(fd, data)
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        finally:
+            os.close(fd)
+        return name, offset
 
     def write_turn(self, record: TurnRecord) -> None:
         self._append(record.session_id, record.dump_line())

@@ -43,6 +43,8 @@ class Turn:
     episode_id: str | None = None  # its episode and kind of call: a continuation inherits them
     call: str = "main"
     weight_version: str | None = None  # the weights that sampled it, where reported (a child on others is flagged)
+    # How many of its sequence's first positions its record chain holds MoE routes for (its child asks from there).
+    routed_experts_through: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_added_ids", id_array(self.prompt_added_ids))

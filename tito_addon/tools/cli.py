@@ -255,6 +255,10 @@ def redrive_command(argv: list[str]) -> int:
     console.print(
         "total: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in totals.items())
     )
+    routed = report.routes_weights()
+    if routed:  # replayed under the scored weights, routes recorded under others are another model's routing
+        said = ", ".join(f"{version} ({count} turns)" for version, count in routed.items())
+        console.print(f"MoE routes recorded under weight versions: {said}")
     if args.json:
         payload = {"turns": [t.as_dict() for t in report.turns], "totals": totals, "by_call": report.by_call()}
         args.json.write_text(json.dumps(payload, indent=1), "utf-8")
@@ -322,6 +326,12 @@ def audit_command(argv: list[str]) -> int:
     for audit in audits:
         for turn_id, cuts in audit.resumed.items():  # its ids are the attempts' together, exactly as sampled
             console.print(f"{audit.session_id} turn {turn_id}: resumed after a weight update cut it at {cuts}")
+        if audit.routes is not None:
+            routes = audit.routes
+            versions = ", ".join(routes["weight_versions"]) or "not reported"
+            console.print(f"{audit.session_id} turn {audit.leaf_turn_id}: MoE routes of {routes['through']} of "
+                          f"{routes['positions']} positions, under weights {versions}" + (
+                              f"; missing: {'; '.join(routes['missing'])}" if routes["missing"] else ""))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps([a.as_dict() for a in audits], ensure_ascii=False, indent=1), "utf-8")
     if args.html:

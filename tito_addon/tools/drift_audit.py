@@ -28,6 +28,7 @@ from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.template_messages import template_message
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile
+from tito_addon.records.recorded_routes import routes_summary
 
 CLASSES = (
     "bpe_resplit",
@@ -104,6 +105,9 @@ class BranchAudit:
     per_turn: dict[int, int] = field(default_factory=dict)  # turn id -> differing recorded tokens
     # turn id -> where a weight update cut its generation (completion offsets), for the branch's resumed turns
     resumed: dict[int, list[int]] = field(default_factory=dict)
+    # Where the branch recorded MoE routes: what `recorded_routes.routes_summary` says of them (the weight versions
+    # they were routed under; a drifted position would replay a route onto another token than it was computed for).
+    routes: dict[str, Any] | None = None
 
     def kinds(self) -> Counter[str]:
         return Counter(span.kind for span in self.spans)
@@ -115,6 +119,7 @@ class BranchAudit:
             "tokens": self.tokens,
             "differing_tokens_per_turn": self.per_turn,
             "resumed_turns": self.resumed,
+            "routes": self.routes,
             "kinds": dict(self.kinds()),
             "spans": [span.as_dict() for span in self.spans],
         }
@@ -149,6 +154,8 @@ def audit_session(session_file: SessionFile, tokenizer: Any) -> list[BranchAudit
         audit = BranchAudit(leaf.session_id, leaf.turn_id, len(recorded), classify(recorded, rerendered, tokenizer))
         audit.per_turn = _per_turn(path, audit.spans)
         audit.resumed = {turn.turn_id: list(turn.resumed.cuts) for turn in path if turn.resumed}
+        if leaf.routed_experts is not None:
+            audit.routes = routes_summary(session_file, leaf.turn_id)
         audits.append(audit)
     return audits
 

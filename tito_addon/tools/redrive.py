@@ -8,6 +8,7 @@ to know. sglang scores with native `/generate` (`logprob_start_len`, `max_new_to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import iter_session_files
+from tito_addon.records.recorded_routes import routes_summary
 from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 
 
@@ -32,6 +34,10 @@ class TurnGap:
     # Mean of (recorded - new) over the sampled tokens: the Monte-Carlo estimate of KL(rollout || new) on this
     # turn; > 0 where the new policy finds what was sampled less likely.
     kl_estimate: float
+    # Where the turn recorded MoE routes (`tito_routed_experts`): what `recorded_routes.routes_summary` says of its
+    # sequence's, above all the weight versions they were routed under: replayed under the scored weights, routes of
+    # other weights are another model's routing.
+    routes: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -54,6 +60,14 @@ class RedriveReport:
             "max_abs_diff": max(t.max_abs_diff for t in turns),
             "kl_estimate": weighted("kl_estimate"),
         }
+
+    def routes_weights(self) -> dict[str, int]:
+        """How many scored turns replay routes of each weight version (turns that recorded routes only)."""
+        counts: dict[str, int] = {}
+        for turn in self.turns:
+            for version in (turn.routes or {}).get("weight_versions") or []:
+                counts[version] = counts.get(version, 0) + 1
+        return counts
 
     def by_call(self) -> dict[str, dict[str, Any]]:
         """The totals of each kind of call (main, compaction, subagent, side) the report holds."""
@@ -146,7 +160,10 @@ async def redrive(record_dir: Path, scorer: Scorer, progress: Callable[[], None]
         ids = session_file.full_ids()
         for record in session_file.turns:
             prompt, completion = ids[record.turn_id]
-            report.turns.append(gap(record, await scorer.score(record, prompt, completion)))
+            scored = gap(record, await scorer.score(record, prompt, completion))
+            if record.routed_experts is not None:
+                scored = dataclasses.replace(scored, routes=routes_summary(session_file, record.turn_id))
+            report.turns.append(scored)
             if progress is not None:
                 progress()
     return report

@@ -23,6 +23,23 @@ def read_rows(source: Rows) -> list[dict[str, Any]]:
     return pq.ParquetFile(path).read(use_threads=False).to_pylist()
 
 
+def routes_array(value: Any, tokens: int, where: str) -> Any:
+    """An exported row's MoE routes (`routed_experts`, slime's `rollout_routed_experts`) as a numpy array of shape
+    `(tokens - 1, layers, topk)`: Parquet holds the `.npy` file's bytes, JSON Lines their base64. None stays None."""
+    if value is None:
+        return None
+    import base64
+    import io
+
+    import numpy as np
+
+    data = base64.b64decode(value, validate=True) if isinstance(value, str) else bytes(value)
+    array = np.load(io.BytesIO(data), allow_pickle=False)
+    if array.ndim != 3 or array.shape[0] != max(tokens - 1, 0):
+        raise ValueError(f"{where}: its routes are {array.shape}, not a row for each of its {tokens} tokens but one")
+    return array
+
+
 def require_columns(rows: list[dict[str, Any]], columns: tuple[str, ...], layout: str) -> None:
     for row in rows:
         missing = [name for name in columns if name not in row]

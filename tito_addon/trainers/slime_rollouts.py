@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 try:
-    from tito_addon.trainers.row_files import Rows, read_rows, require_columns
+    from tito_addon.trainers.row_files import Rows, read_rows, require_columns, routes_array
 except ImportError:  # run as a copied file beside row_files.py
-    from row_files import Rows, read_rows, require_columns  # type: ignore[no-redef]
+    from row_files import Rows, read_rows, require_columns, routes_array  # type: ignore[no-redef]
 
 SLIME_COLUMNS = ("group_index", "index", "rollout_id", "prompt", "tokens", "response", "response_length",
                  "loss_mask", "rollout_log_probs", "status", "reward", "padded")  # fmt: skip
@@ -76,7 +76,9 @@ def sample_of(row: dict[str, Any]) -> dict[str, Any]:
         "rollout_log_probs": [float(lp) for lp in row["rollout_log_probs"]],
         "rollout_top_p_token_ids": None,
         "rollout_top_p_token_offsets": None,
-        "rollout_routed_experts": None,
+        # (len(tokens) - 1, layers, topk) int32, as slime's Sample holds sglang's (`types.py`: the trainer asserts the
+        # one row short, `cp_utils.prepare_routed_experts_for_routing_replay`); a tensor once written (`torch.save`).
+        "rollout_routed_experts": routes_of(row),
         "remove_sample": bool(row.get("padded")),
         "teacher_log_probs": None,
         "status": row["status"],
@@ -89,6 +91,11 @@ def sample_of(row: dict[str, Any]) -> dict[str, Any]:
         "spec_info": dict.fromkeys(SPEC_INFO, 0),
         "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0},
     }
+
+
+def routes_of(row: dict[str, Any]) -> Any:
+    array = routes_array(row.get("rollout_routed_experts"), len(row["tokens"]), f"row {row['index']}")
+    return None if array is None else array.astype("int32")
 
 
 def rollout_batches(rows: Rows, *, groups_per_file: int | None = None) -> list[list[dict[str, Any]]]:
@@ -118,6 +125,9 @@ def write_rollout_files(rows: Rows, out_dir: str | Path, *, groups_per_file: int
     written = []
     for step, samples in enumerate(rollout_batches(rows, groups_per_file=groups_per_file)):
         path = out / f"{step}.pt"
+        for sample in samples:
+            if sample["rollout_routed_experts"] is not None:
+                sample["rollout_routed_experts"] = torch.from_numpy(sample["rollout_routed_experts"])
         torch.save({"rollout_id": step, "samples": samples}, path)
         written.append(path)
     return written

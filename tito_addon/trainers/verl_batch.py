@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 try:
-    from tito_addon.trainers.row_files import Rows, read_rows, require_columns
+    from tito_addon.trainers.row_files import Rows, read_rows, require_columns, routes_array
 except ImportError:  # a copied file beside row_files.py
-    from row_files import Rows, read_rows, require_columns  # type: ignore[no-redef]
+    from row_files import Rows, read_rows, require_columns, routes_array  # type: ignore[no-redef]
 
 VERL_COLUMNS = ("uid", "prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "reward_score",
                 "__num_turns__", "episode", "rollout_id", "index", "segment", "call", "padded")  # fmt: skip
@@ -64,6 +64,14 @@ def verl_batch(
     kept = [r for r in found if len(r["prompts"]) <= P]
     if not kept:
         raise ValueError(f"every row's prompt is longer than prompt_length={P}; {longest}")
+    routes = [
+        routes_array(r.get("routed_experts"), len(r["prompts"]) + len(r["responses"]), f"row {r['index']}")
+        for r in kept
+    ]
+    if any(a is not None for a in routes) and any(a is None for a in routes):
+        lacking = [r["index"] for r, a in zip(kept, routes, strict=True) if a is None][:10]
+        raise ValueError(f"rows {lacking} have no routes (routed_experts_missing says why) while others do: routing "
+                         "replay needs every row's")  # fmt: skip
 
     import numpy as np
     import torch
@@ -106,6 +114,8 @@ def verl_batch(
     }
     if scored:
         tensors["rm_scores"] = rm_scores
+    if routes and routes[0] is not None:
+        tensors["routed_experts"] = placed_routes(kept, routes, P, R, torch)
     non_tensors = {
         "uid": np.array([r["uid"] for r in kept], dtype=object),
         "__num_turns__": np.array([r["__num_turns__"] for r in kept], dtype=np.int32),
@@ -124,6 +134,23 @@ def verl_batch(
         "truncated_rows": int(truncated.sum()),
     }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+
+
+def placed_routes(rows: list[dict[str, Any]], routes: list[Any], P: int, R: int, torch: Any) -> Any:
+    """verl's `batch["routed_experts"]` for router replay R3 (`megatron_actor.py`, `router_replay_utils.
+    set_router_replay_data`): `[bs, P + R, layers, topk]`, each row's routes laid where its ids are in `input_ids`
+    (the prompt left-padded), zeros elsewhere, the last token's row zero, as verl's agent loop lays the engine's."""
+    layers, topk = routes[0].shape[1:]
+    out = torch.zeros((len(rows), P + R, layers, topk), dtype=torch.int32)
+    for i, (row, array) in enumerate(zip(rows, routes, strict=True)):
+        if array.shape[1:] != (layers, topk):
+            raise ValueError(f"row {row['index']}: its routes are {array.shape[1:]}, the first row's {(layers, topk)}")
+        cut = len(row["prompts"])
+        values = torch.from_numpy(array.astype("int32"))
+        out[i, P - cut : P] = values[:cut]
+        rest = values[cut : cut + R]
+        out[i, P : P + len(rest)] = rest
+    return out
 
 
 def longest_lengths(rows: list[dict[str, Any]]) -> str:

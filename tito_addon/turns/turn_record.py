@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from tito_addon.backends.backend_protocol import BackendResult
+from tito_addon.backends.expert_routes import TurnRoutes
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
@@ -80,6 +81,7 @@ class CompletedTurn:
     turn_id: int
     fields: dict[str, Any]  # the line's fields (`TurnRecord.line_fields`), for the line and for the flow metadata
     turn: Turn
+    routes: bytes | None = None  # its MoE routes' rows, kept beside the line (`fields["routed_experts"]` says how)
 
 
 def other_weights(parent: str | None, version: str | None) -> str | None:
@@ -154,6 +156,7 @@ def completed_turn(
         "failover": result.extra.get("failover"),
         "completion_budget": completion_budget,
         "served_model": result.extra.get("served_model"),
+        **routes_fields(result.routes),
         **record_fields(place, episode),
         "tokenizer": {
             "name": engine.tokenizer_name,
@@ -165,4 +168,20 @@ def completed_turn(
     line = TurnRecord.model_validate(fields)
     message_end = (parent.message_end if parent else 0) + len(segment_keys)
     turn = turn_of(line, message_end, segment_keys, assistant.reasoning_text())
-    return CompletedTurn(session_id, turn_id, fields, turn)
+    rows = result.routes.rows() if result.routes is not None else None
+    return CompletedTurn(session_id, turn_id, fields, turn, rows.array.tobytes() if rows is not None else None)
+
+
+def routes_fields(routes: TurnRoutes | None) -> dict[str, Any]:
+    """A turn's `routed_experts` and `routed_experts_through` (where its file and offset are set as it is written)."""
+    if routes is None:
+        return {"routed_experts": None, "routed_experts_through": None}
+    rows = routes.rows()
+    kept: dict[str, Any] = {"start": routes.asked.start, "rows": rows.rows if rows is not None else 0}
+    if rows is not None:
+        kept.update(layers=rows.shape.layers, topk=rows.shape.topk, dtype=rows.array.dtype.name)
+    if routes.attempt_starts:
+        kept["attempts"] = routes.attempt_starts
+    if routes.missing:
+        kept["missing"] = routes.missing
+    return {"routed_experts": kept, "routed_experts_through": routes.end}

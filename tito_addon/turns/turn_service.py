@@ -19,6 +19,7 @@ from urllib.parse import unquote
 
 from tito_addon.backends.backend_protocol import Backend, BackendTurn
 from tito_addon.backends.engine_failover import EngineList, FailoverLog
+from tito_addon.backends.expert_routes import RoutesAsked, RoutesWanted
 from tito_addon.backends.upstream_headers import forwarded_headers, with_router_key
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
@@ -97,11 +98,14 @@ class TurnService:
         memo_bytes: int = DEFAULT_BUDGET_BYTES,
         warm_apis: Sequence[AgentApi] = (),
         in_flight: TurnsInFlight | None = None,
+        routed_experts: RoutesWanted | None = None,
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
         request naming a session its driver closed gets: `refuse` (410) or a `new` tree. `router_key`: the header an
         engine router keys sessions on (`ROUTER_SESSION_KEYS`), set to the turn's session id on its backend calls.
-        `engines`: a fixed engine list (no router), each session's turns on the engine its id hashes to."""
+        `engines`: a fixed engine list (no router), each session's turns on the engine its id hashes to.
+        `routed_experts`: ask the backend for every turn's MoE routes (of a model of that shape, where known)."""
+        self.routed_experts = routed_experts
         self.record_message_text = record_message_text
         self.in_flight = in_flight if in_flight is not None else TurnsInFlight()
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
@@ -355,7 +359,17 @@ class TurnService:
             engine.special_ids,
             self.output_text,
             FailoverLog.for_session(self.engines, session_id),
+            self.routes_asked(prepared),
         )
+
+    def routes_asked(self, prepared: PreparedTurn) -> RoutesAsked | None:
+        """From where the turn asks for its MoE routes: where its parent's record chain's end (the parent's last
+        sampled token has none of its own), so each token's route is asked for once."""
+        if self.routed_experts is None:
+            return None
+        parent = prepared.parent
+        through = parent.turn.routed_experts_through or 0 if parent is not None else 0
+        return RoutesAsked(min(through, len(prepared.prompt)), self.routed_experts.shape)
 
     def responder(self, prepared: PreparedTurn, claim: Claim) -> Responder:
         api = prepared.route.api
