@@ -23,6 +23,7 @@ from support.basics import TOOLS, echo, tokenizer_path
 from support.proxy_harness import Mitmdump, post
 from support.weight_updates import during
 
+from tito_addon.backends.expert_routes import RoutesAsked, RouteShape, RoutesRead, read_sglang, read_vllm
 from tito_addon.records.record_reader import read_session
 from tito_addon.records.recorded_routes import sequence_routes
 from tito_addon.records.trainer_rows import encode_rows, session_rows
@@ -30,6 +31,7 @@ from tito_addon.records.trajectory_recorder import routes_file_name, session_fil
 from tito_addon.replicas.expert_routing import expert_routes
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+from tito_addon.tito_errors import UpstreamMalformed
 
 BACKENDS = ["sglang-0.5.23", "vllm-0.32.0", "vllm-0.24.0"]
 LAYERS, TOPK, EXPERTS = 3, 2, 8
@@ -218,3 +220,52 @@ def test_a_generation_resumed_across_a_weight_update_keeps_each_attempts_routes(
     # Each row's weights: the first attempt's before the cut (a live sglang stream reports none), the update's after.
     first = "" if stack.kind == "sglang" and stream else "default"
     assert routes.versions[ref.start] == first and routes.versions[-1] == "v2"
+
+
+def npy_text(array: np.ndarray) -> str:
+    sink = io.BytesIO()
+    np.save(sink, array, allow_pickle=False)
+    return base64.b64encode(sink.getvalue()).decode()
+
+
+def int32_text(array: np.ndarray) -> str:
+    return base64.b64encode(array.astype("<i4").tobytes()).decode()
+
+
+def test_an_answer_is_laid_on_the_positions_asked_or_refused_never_shifted() -> None:
+    """The readers of both engines' encodings: rows for exactly the positions asked; an engine that answered from 0
+    has the asked ones cut out; any other count is a gap said in words; what is not routes at all is the backend's
+    fault (a 502, nothing recorded)."""
+    ids = list(range(100, 120))
+    whole = engine_routes(ids)  # 19 rows: every position but the last
+    shape = RouteShape(LAYERS, TOPK)
+    asked = RoutesAsked(5, shape)
+    for read, text_of in [
+        (read_vllm, npy_text),
+        (read_sglang, lambda a: base64.b64encode(a.astype("<i4").tobytes()).decode()),
+    ]:
+        found = read(text_of(whole[5:]), asked, 14)
+        assert found.rows is not None and found.rows.start == 5 and np.array_equal(found.rows.array, whole[5:])
+        assert found.rows.array.dtype == np.uint8
+        from_zero = read(text_of(whole), asked, 14)
+        assert from_zero.rows is not None and np.array_equal(from_zero.rows.array, whole[5:])
+        short = read(text_of(whole[5:-1]), asked, 14)
+        assert (
+            short.rows is None and short.missing == "the backend returned 13 rows of routes for the 14 positions asked"
+        )
+        assert read(None, asked, 14) == RoutesRead(None, "the backend returned no routed experts")
+        with pytest.raises(UpstreamMalformed):
+            read("not base64!", asked, 14)
+        with pytest.raises(UpstreamMalformed):
+            read(text_of(-whole[5:] - 1), asked, 14)
+    with pytest.raises(UpstreamMalformed):  # routes of another model than the one configured
+        read_vllm(npy_text(expert_routes(ids, 0, 19, LAYERS + 1, TOPK, EXPERTS)), asked, 14)
+    with pytest.raises(UpstreamMalformed):
+        read_vllm(npy_text(np.zeros((14, LAYERS, TOPK), dtype=np.float32)), asked, 14)
+    odd = base64.b64encode(whole[5:].astype("<i4").tobytes()[:-4]).decode()
+    assert read_sglang(odd, asked, 14).missing == f"the backend's routes are not whole rows of {shape} int32 values"
+    assert read_sglang(odd, RoutesAsked(5), 14).missing == (
+        "sglang's routes carry no shape, and tito_routed_experts_shape is not set"
+    )
+    wide = expert_routes(ids, 0, 19, LAYERS, TOPK, 300)
+    assert read_vllm(npy_text(wide), RoutesAsked(0, shape), 19).rows.array.dtype == np.uint16

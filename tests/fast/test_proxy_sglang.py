@@ -517,6 +517,8 @@ def test_unknown_backend_kind_and_bad_options_refuse_to_start(replica, tmp_path)
         ({"tito_chat_template_kwargs": "{not json"}, "tito_chat_template_kwargs"),
         ({"tito_model_family": "default"}, "tito_model_family=qwen3"),
         ({"tito_tokenizer": ""}, "tito_tokenizer is required"),
+        ({"tito_routed_experts": "true"}, "tito_routed_experts on sglang needs tito_routed_experts_shape"),
+        ({"tito_routed_experts_shape": "48by8"}, "is not LAYERSxTOPK"),
     ]:
         proxy = Mitmdump(
             replica.url, tokenizer=tokenizer_path("qwen3"), record_dir=tmp_path / "rec", cwd=tmp_path, options=options

@@ -125,7 +125,7 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
             _, turn = await claim(writer, sid, parent_turn_id=turn0, create=False)
             await commit(writer, sid, turn, automatic=True, keys=keys[2:], path=second_path, parent=turn0,
                                          chain=(turn0,), end=4, prompt_added_ids=[9], completion_ids=[10],
-                                         chat_template_kwargs={"x": 1})  # fmt: skip
+                                         chat_template_kwargs={"x": 1}, routed_experts_through=5)  # fmt: skip
         state, found = await reader.lookup(None, "ns", [first_path, second_path, extend(ROOT, keys[:3])])
         node = await reader.node(sid, 2)
         shared = RedisSessions(reader)
@@ -151,6 +151,7 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
     assert found == [[(sid, 0)], [(sid, 1), (sid, 2)], []]
     assert list(node.turn.prompt_added_ids) == [9] and node.parent_turn_id == 0 and node.chain == (0,)
     assert node.turn.chat_template_kwargs == {"x": 1} and node.turn.message_end == 4
+    assert node.turn.routed_experts_through == 5  # (a child asks for its MoE routes from there)
     assert node.turn.segment_keys == tuple(keys[2:])
     mirror = first[(sid, 2)]
     assert mirror.parent is not None and list(mirror.parent.turn.prompt_added_ids) == big, (
