@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+from tito_addon.backends.expert_routes import RouteShape, RoutesWanted
 from tito_addon.backends.sglang_backend import SglangBackend
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.records.record_models import AnnotationRecord
@@ -64,21 +65,31 @@ async def episode(service: TurnService, url: str, session: str, first: str) -> N
     await run_turn(service, url, session, messages)
 
 
-def record_episodes(out: Path, episodes: dict, tree: bool = False) -> TrajectoryRecorder:
+#: The MoE shape `record_episodes(..., routes=True)` records: layers, top-k, experts (`replicas/expert_routing`).
+ROUTES_SHAPE = (3, 2, 8)
+
+
+def record_episodes(out: Path, episodes: dict, tree: bool = False, routes: bool = False) -> TrajectoryRecorder:
     """Record `episodes` (session -> first request, group, reward) into `out`, one session each, in that order, then
-    annotate each with its group, reward and a label; `tree`: also session `s`, `weather_tree`'s."""
+    annotate each with its group, reward and a label; `tree`: also session `s`, `weather_tree`'s; `routes`: with the
+    MoE routes of a replica started with --enable-return-routed-experts (`ROUTES_SHAPE`)."""
     recorder = TrajectoryRecorder(out)
+    layers, topk, experts = ROUTES_SHAPE
+    wanted = RoutesWanted(RouteShape(layers, topk)) if routes else None
+    moe = {"routed_experts": True, "moe_layers": layers, "moe_topk": topk, "moe_experts": experts} if routes else {}
 
     async def run(url: str) -> None:
         client = UpstreamClient()
-        service = TurnService(cached_engine("qwen3"), SglangBackend(client), MemorySessions(), FileRecords(out))
+        service = TurnService(
+            cached_engine("qwen3"), SglangBackend(client), MemorySessions(), FileRecords(out), routed_experts=wanted
+        )
         for session, (first, _, _) in episodes.items():
             await episode(service, url, session, first)
         if tree:
             await weather_tree(service, url)
         await client.close()
 
-    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"))) as replica:
+    with ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen3"), **moe)) as replica:
         asyncio.run(run(replica.url))
     for session, (_, group, reward) in episodes.items():
         fields = {"reward": reward, "group": group, "labels": ["scored"]}

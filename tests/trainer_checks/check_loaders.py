@@ -10,11 +10,16 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 
 def plain(value):
-    return value.tolist() if isinstance(value, np.ndarray) else value
+    """numpy arrays and torch tensors as lists, inside dicts and lists too: what JSON holds."""
+    if hasattr(value, "tolist") and not isinstance(value, (int, float, str)):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
 
 
 def verl(rows: str, out: str, options: str) -> None:
@@ -47,9 +52,14 @@ def slime(folder: str, out: str) -> None:
     files = {}
     for path in sorted(Path(folder).glob("*.pt")):
         # slime's load_debug_rollout_data reads with weights_only=False; the plain types load under True as well.
-        loaded = torch.load(path, weights_only=False)
-        safe = torch.load(path, weights_only=True)
+        raw = torch.load(path, weights_only=False)
+        loaded, safe = plain(raw), plain(torch.load(path, weights_only=True))
         assert safe == loaded
+        # slime's trainer takes the routes as a tensor (`torch.as_tensor`): what each sample's is, beside its values.
+        loaded["routes_types"] = [
+            None if s["rollout_routed_experts"] is None else f"{type(s['rollout_routed_experts']).__name__}:"
+            f"{s['rollout_routed_experts'].dtype}" for s in raw["samples"]
+        ]  # fmt: skip
         files[path.name] = loaded
     Path(out).write_text(json.dumps(files))
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from support.basics import REPO, tokenizer_path
 from support.proxy_harness import Mitmdump
-from support.recorded_sessions import record_episodes
+from support.recorded_sessions import ROUTES_SHAPE, record_episodes
 
+from tito_addon.replicas.expert_routing import expert_routes
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 
 pytestmark = [pytest.mark.full, pytest.mark.trainers]
@@ -244,3 +245,46 @@ def test_the_example_drivers_file_is_read_as_groups_by_verl_and_slime(trainers: 
     assert [s["group_index"] for s in samples] == [0, 0, 1, 1, 2, 2]
     assert [s["metadata"]["tito"]["group"] for s in samples] == ["task-0"] * 2 + ["task-1"] * 2 + ["task-2"] * 2
     assert [s["rollout_id"] for s in samples] == [s["index"] for s in samples] == list(range(6))
+
+
+@pytest.fixture(scope="module")
+def routed_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("routed")
+    record_episodes(out, {k: v for k, v in EPISODES.items() if k.startswith(("p", "l"))}, routes=True)
+    return out
+
+
+def engine_routes(ids: list[int]) -> list:
+    layers, topk, experts = ROUTES_SHAPE
+    return expert_routes(ids, 0, len(ids) - 1, layers, topk, experts).tolist()
+
+
+def test_routes_reach_verls_batch_and_slimes_samples_aligned_with_the_ids(
+    trainers: Path, routed_dir: Path, tmp_path: Path
+) -> None:
+    """R3: verl's `batch["routed_experts"]` [bs, P + R, layers, topk] holds each row's routes where its ids are in
+    `input_ids` (zeros on padding and on the last token), and slime's samples hold int32 tensors one row shorter than
+    their tokens, each row the engine's route of that position."""
+    layers, topk, _ = ROUTES_SHAPE
+    rows_path = export(routed_dir, tmp_path / "verl.parquet", "--format", "verl")
+    report = verl_report(trainers, rows_path, tmp_path)
+    tensor = report["tensors"]["routed_experts"]
+    P, R = report["meta"]["prompt_length"], report["meta"]["response_length"]
+    assert tensor["shape"] == [6, P + R, layers, topk] and tensor["dtype"] == "torch.int32"
+    ids, mask = report["tensors"]["input_ids"]["values"], report["tensors"]["attention_mask"]["values"]
+    for row, bits, routes in zip(ids, mask, tensor["values"], strict=True):
+        where = [k for k, bit in enumerate(bits) if bit]  # the row's ids, in order, inside the padding
+        sequence = [row[k] for k in where]
+        assert [routes[k] for k in where[:-1]] == engine_routes(sequence)
+        zero = [[0] * topk] * layers
+        assert all(routes[k] == zero for k in range(P + R) if k not in where[:-1])
+
+    slime_rows = export(routed_dir, tmp_path / "slime.parquet", "--format", "slime")
+    folder = tmp_path / "slime_data"
+    in_trainers(trainers, "-m", "tito_addon.trainers.slime_rollouts", str(slime_rows), str(folder))
+    out = tmp_path / "slime.json"
+    in_trainers(trainers, str(CHECK), "slime", str(folder), str(out))
+    (only,) = json.loads(out.read_text()).values()
+    assert only["routes_types"] == ["Tensor:torch.int32"] * 6
+    for sample in only["samples"]:
+        assert sample["rollout_routed_experts"] == engine_routes(sample["tokens"])
