@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from support.basics import TOOLS, echo, tokenizer_path
+from support.basics import tokenizer_path
+from support.chat_agent import take_turn
 from support.proxy_harness import Mitmdump, post
 from support.weight_updates import during
 
@@ -79,19 +80,7 @@ def converse(stack: Stack, session: str, streams: list[bool], messages: list[dic
     client = stack.client(session)
     messages = messages if messages is not None else [{"role": "user", "content": "Weather in Paris?"}]
     for turn, stream in enumerate(streams):
-        if stream:
-            with client.chat.completions.stream(model=stack.model, messages=messages, tools=TOOLS) as events:
-                for _ in events:
-                    pass
-                completion = events.get_final_completion()
-        else:
-            completion = client.chat.completions.create(model=stack.model, messages=messages, tools=TOOLS)
-        message = completion.choices[0].message
-        messages.append(echo(message))
-        for call in message.tool_calls or []:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{20 + turn}C and sunny"})
-        if not message.tool_calls:
-            messages.append({"role": "user", "content": "And tomorrow?"})
+        take_turn(client, messages, model=stack.model, stream=stream, result=f"{20 + turn}C and sunny")
     return messages
 
 

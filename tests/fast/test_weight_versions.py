@@ -15,7 +15,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from support.basics import TOOLS, echo, tokenizer_path
+from support.basics import tokenizer_path
+from support.chat_agent import take_turn
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session
@@ -73,19 +74,7 @@ def converse(stack: Stack, session: str, versions: list[str], *, stream: bool, p
     try:
         for turn, version in enumerate(versions):
             stack.set_weights(version, previous)
-            if stream:
-                with client.chat.completions.stream(model=stack.model, messages=messages, tools=TOOLS) as events:
-                    for _ in events:
-                        pass
-                    completion = events.get_final_completion()
-            else:
-                completion = client.chat.completions.create(model=stack.model, messages=messages, tools=TOOLS)
-            message = completion.choices[0].message
-            messages.append(echo(message))
-            if message.tool_calls:
-                messages += [{"role": "tool", "tool_call_id": c.id, "content": "21C"} for c in message.tool_calls]
-            else:
-                messages.append({"role": "user", "content": f"And then, round {turn}?"})
+            take_turn(client, messages, model=stack.model, stream=stream, follow_up=f"And then, round {turn}?")
     finally:
         stack.set_weights("default")
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from support.basics import TOOLS, echo, tokenizer_path
+from support.basics import tokenizer_path
+from support.chat_agent import take_turn
 from support.engine_logs import engine_of
 from support.proxy_harness import Mitmdump
 
@@ -45,19 +46,7 @@ def test_a_routers_sessions_record_every_tokens_route(tmp_path: Path, router: st
                 model = "m" if kind == "vllm" else SGLANG_MODEL
                 messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
                 for turn, stream in enumerate([False, True, False]):
-                    if stream:
-                        with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS) as events:
-                            for _ in events:
-                                pass
-                            reply = events.get_final_completion()
-                    else:
-                        reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
-                    message = reply.choices[0].message
-                    messages.append(echo(message))
-                    for call in message.tool_calls or []:
-                        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{turn}C"})
-                    if not message.tool_calls:
-                        messages.append({"role": "user", "content": "And tomorrow?"})
+                    take_turn(client, messages, model=model, stream=stream, result=f"{turn}C")
         asked = sorted(start for engine in (e0, e1) for start in starts_received(engine, kind))
     recorded = read_session(record_dir, "routed")
     assert recorded is not None and len(recorded.turns) == 3

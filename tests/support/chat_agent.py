@@ -5,6 +5,8 @@ agent script the proxy-mode tests run with only its environment set."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import openai
 
@@ -20,6 +22,35 @@ def agent(proxy, session: str | None = None, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key=SECRET, default_headers=headers, max_retries=0, **kw)
 
 
+def take_turn(
+    client: openai.OpenAI,
+    messages: list[dict],
+    *,
+    model: str = "reference-model",
+    stream: bool = False,
+    result: str | Callable[[Any, int], str] = "21C",
+    follow_up: str = "Thanks. And tomorrow?",
+) -> Any:
+    """One turn of a tool-using agent: asked whole or streamed, its answer appended as a typical agent appends it,
+    then a result for each tool call (`result`, or `result(call, index)`) or, after a plain answer, the user's
+    `follow_up`. The completion."""
+    if stream:
+        with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS) as events:
+            for _ in events:
+                pass
+            completion = events.get_final_completion()
+    else:
+        completion = client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+    message = completion.choices[0].message
+    messages.append(echo(message))
+    for index, call in enumerate(message.tool_calls or []):
+        content = result(call, index) if callable(result) else result
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    if not message.tool_calls:
+        messages.append({"role": "user", "content": follow_up})
+    return completion
+
+
 def run_agent(client: openai.OpenAI, turns: int, *, stream: bool = False, first: str = "Weather in Paris?"):
     messages: list[dict] = [
         {"role": "system", "content": "You are a travel agent."},
@@ -27,20 +58,10 @@ def run_agent(client: openai.OpenAI, turns: int, *, stream: bool = False, first:
     ]
     replies = []
     for turn in range(turns):
-        if stream:
-            with client.chat.completions.stream(model="reference-model", messages=messages, tools=TOOLS) as events:
-                for _ in events:
-                    pass
-                completion = events.get_final_completion()
-        else:
-            completion = client.chat.completions.create(model="reference-model", messages=messages, tools=TOOLS)
-        message = completion.choices[0].message
-        replies.append(completion)
-        messages.append(echo(message))
-        if message.tool_calls:
-            for index, call in enumerate(message.tool_calls):
-                args = json.loads(call.function.arguments)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {turn}.{index}: {args}"})
-        else:
-            messages.append({"role": "user", "content": f"Thanks. Now Oslo, round {turn}?"})
+
+        def result(call: Any, index: int, turn: int = turn) -> str:
+            return f"result {turn}.{index}: {json.loads(call.function.arguments)}"
+
+        follow_up = f"Thanks. Now Oslo, round {turn}?"
+        replies.append(take_turn(client, messages, stream=stream, result=result, follow_up=follow_up))
     return messages, replies
