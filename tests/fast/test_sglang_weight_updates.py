@@ -63,7 +63,9 @@ def engine(sglang):
     sglang.backend.reset()
     sglang.backend.config.weight_version = "default"
     sglang.backend.config.token_delay_s = 0.01  # a test that must cut within a few tokens samples slower
+    sglang.backend.pause.stall_at = None
     yield sglang
+    sglang.backend.pause.stall_at = None  # (a test that failed before its pause)
     if sglang.backend.pause.paused:
         post(sglang.url + "/continue_generation")
 
@@ -323,16 +325,16 @@ def test_a_stop_string_that_straddles_the_cut_ends_the_generation_there(proxy, e
     (plain,) = turns(proxy.record_dir, f"plain-{stream}")
     tok, ids, at = engine.backend.tokenizer, plain.completion_ids, 20
     head = tok.decode(ids[: at - 3])
-    # Around the cut, which falls at `at` or a few tokens later; tokens come every 30 ms, so the pause lands before
-    # the first request reaches the stop string's end on a loaded machine too.
+    # Around the cut, which falls exactly at `at`: the engine stalls there until the pause (`EnginePause.stall_at`;
+    # a fixed pace raced the test thread on a loaded machine, and the cut once landed past the stop string's end).
     stop = tok.decode(ids[: at + 15])[len(head) :]
-    engine.backend.config.token_delay_s = 0.03
     assert tok.decode(ids).find(stop) == len(head)
     uncut_answer = ask(proxy, f"uncut-stop-{stream}", stream=stream, stop=[stop])
     (uncut,) = turns(proxy.record_dir, f"uncut-stop-{stream}")
     assert uncut.finish_reason == "stop" and len(uncut.completion_ids) < len(ids)
     engine.backend.reset()
 
+    engine.backend.pause.stall_at = at  # the first request samples no further than `at` until the pause cuts it
     thread, out = during(ask, proxy, f"stop-{stream}", stream=stream, stop=[stop])
     cut_by(engine, "pause", at)
     thread.join(60)
@@ -340,7 +342,7 @@ def test_a_stop_string_that_straddles_the_cut_ends_the_generation_there(proxy, e
     (turn,) = turns(proxy.record_dir, f"stop-{stream}")
     first, second = engine.backend.generated_copy()
     cut = len(first["completion_ids"])
-    assert at - 3 < cut < at + 15 and turn.resumed is not None and turn.resumed.cuts == [cut]
+    assert cut == at and turn.resumed is not None and turn.resumed.cuts == [cut]
     assert len(second["completion_ids"]) > len(uncut.completion_ids) - cut  # the engine did not see the stop
     assert turn.completion_ids == uncut.completion_ids and turn.finish_reason == "stop"
     assert turn.completion_logprobs == uncut.completion_logprobs

@@ -58,6 +58,11 @@ class EnginePause:
         self.aborted = 0  # generations cut by a pause or an abort
         self.held = 0  # requests that arrived while paused and waited for the resume
         self._plans: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        # A test's knob: a generation that has sampled this many tokens samples no more until the next pause, so a
+        # trainer's abort cuts it exactly there however loaded the machine (a real engine keeps sampling meanwhile,
+        # and so the cut lands a few tokens later; tests that need the place exactly set this).
+        self.stall_at: int | None = None
+        self._unstalled = asyncio.Event()
 
     @property
     def paused(self) -> bool:
@@ -75,12 +80,19 @@ class EnginePause:
     async def step(self, generation: Generation, label: str) -> bool:
         """Before each token: False once the generation was aborted; a holding pause waits here for the resume.
         `label` is the weight label the token is sampled with (read after any wait: an update may have run)."""
-        while not generation.aborted and self.mode in HOLD_MODES:
-            await self._running.wait()
+        while not generation.aborted and (self.mode in HOLD_MODES or self._stalls(generation)):
+            if self.mode in HOLD_MODES:
+                await self._running.wait()
+            else:
+                self._unstalled.clear()
+                await self._unstalled.wait()
         if generation.aborted:
             return False
         generation.labels.append(label)
         return True
+
+    def _stalls(self, generation: Generation) -> bool:
+        return self.stall_at is not None and len(generation.labels) >= self.stall_at
 
     def finish(self, generation: Generation) -> None:
         self.in_flight.pop(generation.rid, None)
@@ -106,6 +118,8 @@ class EnginePause:
         self._running.clear()
         if mode in ABORT_MODES:
             self.abort()
+        self.stall_at = None  # (once: the resumed generation samples on)
+        self._unstalled.set()
         if mode in ABORT_MODES or mode == "wait":
             while self.in_flight:
                 self._changed.clear()
@@ -114,6 +128,8 @@ class EnginePause:
     def resume(self) -> None:
         self.mode = None
         self._running.set()
+        self.stall_at = None
+        self._unstalled.set()
 
     # ------------------------------------------------------------------ continuing a cut generation
     def remember(self, prompt_ids: list[int], planned: list[int]) -> None:
