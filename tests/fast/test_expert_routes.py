@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 from support.basics import tokenizer_path
 from support.chat_agent import take_turn
 from support.proxy_harness import Mitmdump, post
+from support.tito_commands import redrive, run_cli
 from support.weight_updates import during
 
 from tito_addon.backends.expert_routes import RoutesAsked, RouteShape, RoutesRead, read_sglang, read_vllm
@@ -195,7 +197,7 @@ def cut_and_resume(stack: Stack, after_tokens: int = 6) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_generation_resumed_across_a_weight_update_keeps_each_attempts_routes(engine, stream) -> None:
+def test_a_generation_resumed_across_a_weight_update_keeps_each_attempts_routes(engine, stream, tmp_path) -> None:
     stack = engine
     session = f"resumed-{stack.kind}-{stack.version}-{stream}"
     messages = converse(stack, session, [False])  # a parent, so the cut turn asks from past its prompt's start
@@ -221,6 +223,19 @@ def test_a_generation_resumed_across_a_weight_update_keeps_each_attempts_routes(
     # Each row's weights: the first attempt's before the cut (a live sglang stream reports none), the update's after.
     first = "" if stack.kind == "sglang" and stream else "default"
     assert routes.versions[ref.start] == first and routes.versions[-1] == "v2"
+    if stack.kind == "sglang" and not stream:
+        # Re-drive and the audit say which weights routed the sequence: replayed under others, another model's routing.
+        report = redrive(stack.record_dir, stack.replica.url, tmp_path / "redrive.json")
+        (scored,) = [t for t in report["turns"] if t["session_id"] == session and t["turn_id"] == cut.turn_id]
+        assert scored["routes"]["weight_versions"] == ["default", "v2"] and scored["routes"]["complete"]
+        out = tmp_path / "audit.json"
+        audit = run_cli("audit", str(stack.record_dir), "--session", session, "--json", str(out))
+        assert (
+            f"turn {cut.turn_id}: MoE routes of {routes.through} of {routes.positions} positions, under weights "
+            "default, v2" in audit.stdout
+        )
+        (branch,) = json.loads(out.read_text())
+        assert branch["routes"]["weight_versions"] == ["default", "v2"]
 
 
 def npy_text(array: np.ndarray) -> str:
