@@ -135,6 +135,13 @@ def test_exported_routes_align_with_the_exported_ids_in_every_layout(stack, tmp_
         assert_aligned(np.roll(routes, 1, axis=0), generic["input_ids"])
     assert verl["routed_experts"] == generic["routed_experts"] and verl["input_ids"] == generic["input_ids"]
     assert slime["rollout_routed_experts"] == generic["routed_experts"] and slime["tokens"] == generic["input_ids"]
+    # `show --json` says where each turn's routes are and how far its chain reaches.
+    shown = [json.loads(line) for line in run_cli("show", str(stack.record_dir), "--session", session, "--json")
+             .stdout.splitlines()]  # fmt: skip
+    assert [(row["routed_experts"]["start"], row["routed_experts_through"]) for row in shown] == [
+        (turn.routed_experts.start, turn.routed_experts_through) for turn in recorded.turns
+    ]
+    assert all(row["routed_experts"]["file"].endswith(".routes") for row in shown)
     # JSON Lines carries the same .npy file as base64 text, as vLLM sends routes.
     line = encode_rows([generic], "generic", "jsonl").decode()
     text = line.split('"routed_experts": "')[1].split('"')[0]

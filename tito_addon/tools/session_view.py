@@ -249,6 +249,10 @@ def turn_json(turn: TurnRecord, ids: tuple[list[int], list[int]], notes: list[An
         "weight_version": turn.weight_version,
         "weight_version_spans": turn.weight_version_spans,
         "resumed": turn.resumed.model_dump() if turn.resumed else None,
+        # Where its MoE routes are kept and how far its chain's reach (`tito_routed_experts`; the rows themselves:
+        # `records/recorded_routes.sequence_routes`, or an export).
+        "routed_experts": turn.routed_experts.model_dump(exclude_none=True) if turn.routed_experts else None,
+        "routed_experts_through": turn.routed_experts_through,
         "annotations": [note.model_dump(by_alias=True, exclude_none=True) for note in notes],
     }
     return json.dumps(row, ensure_ascii=False)

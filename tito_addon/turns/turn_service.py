@@ -368,7 +368,7 @@ class TurnService:
         if self.routed_experts is None:
             return None
         parent = prepared.parent
-        through = parent.turn.routed_experts_through or 0 if parent is not None else 0
+        through = (parent.turn.routed_experts_through or 0) if parent is not None else 0
         return RoutesAsked(min(through, len(prepared.prompt)), self.routed_experts.shape)
 
     def responder(self, prepared: PreparedTurn, claim: Claim) -> Responder:
