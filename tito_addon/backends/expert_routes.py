@@ -235,3 +235,12 @@ def without_routes(choice: dict[str, Any]) -> dict[str, Any]:
     if choice.get("routed_experts") is None:
         return choice
     return {**choice, "routed_experts": None}
+
+
+def without_choice_routes(generated: dict[str, Any]) -> dict[str, Any]:
+    """A generate response without its choices' routes (read by then): the same object when it carries none, as the
+    answer of a server without the flag does on every turn."""
+    choices = generated.get("choices")
+    if not isinstance(choices, list) or not any(isinstance(c, dict) and c.get("routed_experts") for c in choices):
+        return generated
+    return {**generated, "choices": [without_routes(c) if isinstance(c, dict) else c for c in choices]}

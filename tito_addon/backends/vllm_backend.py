@@ -37,7 +37,7 @@ from tito_addon.backends.backend_protocol import (
 )
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.engine_failover import FailoverLog
-from tito_addon.backends.expert_routes import without_routes
+from tito_addon.backends.expert_routes import without_choice_routes
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
 from tito_addon.backends.resumed_generation import (
     DEFAULT_RESUME,
@@ -184,11 +184,7 @@ class VllmBackend:
         skew = render_skew(generate_request.get("token_ids"), turn.prompt_ids)
         generate_request = self.generate_request(generate_request, chat, turn.prompt_ids, version, turn)
         generated, stitched = await self.generation.run(turn, generate_request)
-        # Read (`VllmGeneration`); derender has no use for them, and they can be megabytes.
-        generated = {
-            **generated,
-            "choices": [without_routes(c) if isinstance(c, dict) else c for c in generated["choices"]],
-        }
+        generated = without_choice_routes(generated)  # read (`VllmGeneration`); derender has no use for megabytes
         completion_ids, logprobs, finish = harvest_generate(generated, turn.prompt_ids)
         # 0.32+ derender reads the prompt from the generate response's echo (checked above) and the seed field.
         compact = self.compact_requests and version.at_least(0, 32)

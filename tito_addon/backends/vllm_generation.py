@@ -232,7 +232,7 @@ def stitched_response(
     """One generate response for the whole generation, as derender and the record read it (under the first
     attempt's request id: the reply's id is made from it, and must not show the cut)."""
     choice = {
-        **without_routes(first_choice(last)),
+        **first_choice(last),  # (its routes, read, go with the response: `without_choice_routes` takes them out)
         "token_ids": stitched.ids,
         "logprobs": {"content": stitched.entries},
         "finish_reason": finish,
