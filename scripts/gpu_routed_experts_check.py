@@ -73,7 +73,7 @@ def main() -> int:
     args = parser.parse_args()
     import numpy as np
     import openai
-    from support.basics import TOOLS, echo
+    from support.chat_agent import take_turn
 
     from tito_addon.records.record_reader import read_session
     from tito_addon.records.recorded_routes import sequence_routes
@@ -102,20 +102,8 @@ def main() -> int:
             client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": "r3"})
             messages: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
             for turn, stream in enumerate([False, True, False]):
-                body = {"model": "tiny-moe", "messages": messages, "tools": TOOLS, "max_tokens": 48, "seed": turn}
-                if stream:
-                    with client.chat.completions.stream(**body) as events:
-                        for _ in events:
-                            pass
-                        reply = events.get_final_completion()
-                else:
-                    reply = client.chat.completions.create(**body)
-                message = reply.choices[0].message
-                messages.append(echo(message))
-                for call in message.tool_calls or []:
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": "21C"})
-                if not message.tool_calls:
-                    messages.append({"role": "user", "content": f"And in {turn + 1} days?"})
+                take_turn(client, messages, model="tiny-moe", stream=stream, follow_up=f"And in {turn + 1} days?",
+                          max_tokens=48, seed=turn)  # fmt: skip
         recorded = read_session(record_dir, "r3")
         assert recorded is not None and len(recorded.turns) == 3, "three turns recorded"
         through = 0

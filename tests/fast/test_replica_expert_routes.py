@@ -44,11 +44,17 @@ def _sglang() -> Iterator[ReplicaThread]:
         yield replica
 
 
+def cleared(replica, **defaults):
+    """The replica with nothing received, then its config's `defaults` put back (a test may change them)."""
+    replica.clear()
+    yield replica
+    for name, value in defaults.items():
+        setattr(replica.backend.config, name, value)
+
+
 @pytest.fixture
 def sglang(_sglang: ReplicaThread) -> Iterator[ReplicaThread]:
-    _sglang.clear()
-    yield _sglang
-    _sglang.backend.config.routed_experts, _sglang.backend.config.token_delay_s = True, 0.0
+    yield from cleared(_sglang, routed_experts=True, token_delay_s=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +65,7 @@ def _vllm() -> Iterator[VllmReplicaThread]:
 
 @pytest.fixture
 def vllm(_vllm: VllmReplicaThread) -> Iterator[VllmReplicaThread]:
-    _vllm.clear()
-    yield _vllm
-    config = _vllm.backend.config
-    config.routed_experts, config.token_delay_s, config.version, config.moe_experts = True, 0.0, "0.32.0", EXPERTS
+    yield from cleared(_vllm, routed_experts=True, token_delay_s=0.0, version="0.32.0", moe_experts=EXPERTS)
 
 
 def expected(ids: list[int], start: int) -> np.ndarray:

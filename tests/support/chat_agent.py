@@ -30,17 +30,18 @@ def take_turn(
     stream: bool = False,
     result: str | Callable[[Any, int], str] = "21C",
     follow_up: str = "Thanks. And tomorrow?",
+    **asked: Any,
 ) -> Any:
-    """One turn of a tool-using agent: asked whole or streamed, its answer appended as a typical agent appends it,
-    then a result for each tool call (`result`, or `result(call, index)`) or, after a plain answer, the user's
-    `follow_up`. The completion."""
+    """One turn of a tool-using agent: asked whole or streamed (with `asked`'s request fields besides), its answer
+    appended as a typical agent appends it, then a result for each tool call (`result`, or `result(call, index)`) or,
+    after a plain answer, the user's `follow_up`. The completion."""
     if stream:
-        with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS) as events:
+        with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS, **asked) as events:
             for _ in events:
                 pass
             completion = events.get_final_completion()
     else:
-        completion = client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
+        completion = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, **asked)
     message = completion.choices[0].message
     messages.append(echo(message))
     for index, call in enumerate(message.tool_calls or []):
