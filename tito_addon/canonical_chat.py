@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from tito_addon.chat_images import ImagePart, ImageRefused, image_part
+
 Role = Literal["system", "user", "assistant", "tool"]
 
 #: JSON nesting a request may use; real ones (messages -> tool call -> arguments, tool schemas) stay far below.
@@ -63,6 +65,9 @@ class TextPart(BaseModel):
     text: str
 
 
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     """One message of a chat request, as agents send it. Frozen: a validated message is shared by every later
     request that re-sends it (`protocols/known_messages.py`)."""
@@ -70,7 +75,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -88,17 +93,43 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _reject_non_text_parts(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ValueError("only text content parts are supported (no images, audio or files)")
-        return value
+    def _known_parts(cls, value: Any, info: ValidationInfo) -> Any:
+        """Text parts, and images as OpenAI chat sends them (`image_url`, decoded here once). An `image` part that
+        names an image without its bytes is a record's, read back: an agent's image must carry its data."""
+        if not isinstance(value, list):
+            return value
+        parts = []
+        for part in value:
+            if isinstance(part, TextPart | ImagePart):
+                parts.append(part)
+                continue
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append(part)
+            elif kind == "image_url":
+                try:
+                    parts.append(image_part(part))
+                except ImageRefused as exc:
+                    raise ValueError(str(exc)) from None
+            elif kind == "image" and info.context and info.context.get("recorded"):
+                parts.append(part)
+            else:
+                raise ValueError(
+                    f"content part of type {kind!r} is not supported: text and images (image_url with a data: URL) "
+                    "are; audio and files are not"
+                )
+        return parts
+
+    def images(self) -> list[ImagePart]:
+        """Its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part for part in self.content if part.type == "image"]
 
     def text(self) -> str | None:
         """Content as one string: text parts are joined with newlines, as vLLM and sglang do."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content if part.type == "text")
         return self.content
 
     def reasoning_text(self) -> str | None:

@@ -73,7 +73,15 @@ MITMPROXY_USERS = {"proxy", "tools"}
 #: updates, how a replica is served); the harness that runs real processes (mitmdump, redis, haproxy). A module in
 #: none of them is unplaced.
 REPLICA_SERVERS = ("sglang", "vllm")
-REPLICA_SHARED = {"scripted_model", "replica_tokenizer", "faults", "engine_pause", "replica_runner", "expert_routing"}
+REPLICA_SHARED = {
+    "scripted_model",
+    "replica_tokenizer",
+    "faults",
+    "engine_pause",
+    "replica_runner",
+    "expert_routing",
+    "vision_processing",
+}
 REPLICA_HARNESS = {"proxy_process", "mitmdump_forks", "fleet", "engine_routers"}
 #: Which roles' modules a replica module may import: a server its own and the shared concepts, never another server's.
 REPLICA_ALLOWED: dict[str, set[str]] = {

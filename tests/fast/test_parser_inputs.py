@@ -56,7 +56,7 @@ def test_the_seed_of_a_real_prompt_keeps_the_markers_the_parsers_look_for(family
 
 def test_only_known_families_send_a_compact_requests() -> None:
     assert {name for name, family in FAMILIES.items() if family.compact_requests} == {
-        "qwen3", "qwen2.5", "deepseek-r1", "gpt-oss", "mistral"
+        "qwen3", "qwen2.5", "qwen2.5-vl", "qwen3-vl", "deepseek-r1", "gpt-oss", "mistral"
     }  # fmt: skip
 
 

@@ -218,7 +218,7 @@ BAD_BODIES = [
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "NaN"),
     (b'{"messages": [{"role": "user", "content": "x"}], "model": "a", "model": "b"}', "duplicate"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "UTF-8"),
-    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', "text"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', "data: URLs"),
     (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{1}}"}}',
      "chat_template"),
     (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools"),

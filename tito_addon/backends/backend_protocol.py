@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.backends.expert_routes import RoutesAsked, TurnRoutes
 from tito_addon.canonical_chat import AssistantMessage, ChatRequest
+from tito_addon.chat_images import PromptImage
 from tito_addon.engine.prompt_ids import PromptIds
 from tito_addon.tito_errors import UpstreamMalformed
 
@@ -31,6 +32,11 @@ class BackendTurn:
     output_text: Callable[[list[int]], str] | None = None  # generated ids' text, as stop strings are checked on it
     failover: FailoverLog = field(default_factory=FailoverLog)  # the engines its calls may go to, what failed over
     routes: RoutesAsked | None = None  # its MoE routes, asked from where its session's recorded ones end
+    # Every image of the prompt, in order, with where its pad ids lie (`prompt_ids` holds them expanded).
+    images: tuple[PromptImage, ...] = ()
+    # The sampling params the model recommends (its generation_config.json), for a backend call that the server does
+    # not fill them in for as its chat endpoint would (sglang's /generate).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -55,6 +55,13 @@ from tito_addon.backends.sglang_attempts import (
     rest_of_message,
     resumed_body,
 )
+from tito_addon.backends.sglang_generate import (
+    GENERATE_PATH,
+    check_version,
+    generate_attempt,
+    generate_body,
+    reframed,
+)
 from tito_addon.backends.sglang_parse_routes import CompletionParser, SglangServer, StitchedText, ask_server
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
 from tito_addon.backends.upstream_client import UpstreamClient, dumps
@@ -129,7 +136,13 @@ class SglangBackend:
     async def stream_turn(self, turn: BackendTurn) -> AsyncIterator[dict[str, Any] | StreamEnd]:
         """A streamed chat completion on our `input_ids`; the ids it ran on and produced arrive in the final
         sglext block, the logprobs chunk by chunk. A generation the engine aborts (a weight update) goes on in whole
-        requests, and the agent's stream continues with what the whole completion adds to what it was sent."""
+        requests, and the agent's stream continues with what the whole completion adds to what it was sent.
+        A turn with images runs whole (`/generate` answers cumulative text, not the chat deltas) and is streamed as
+        its finished message."""
+        if turn.images:
+            for event in reframed(turn, await self._image_turn(turn)):
+                yield event
+            return
         echo = await self.must_echo(turn)
         dropped = ("stream_options", "return_meta_info", "return_input_ids_in_sglext", "input_ids")
         body = self.agent_fields(turn, dropped)
@@ -281,6 +294,8 @@ class SglangBackend:
         return checked_attempt(answer, prompt_ids, echo)
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult:
+        if turn.images:
+            return await self._image_turn(turn)
         echo = await self.must_echo(turn)
         attempt = await self._attempt(
             turn, self.upstream_body(turn, echo), turn.prompt.json_pieces, turn.prompt_ids, echo
@@ -299,6 +314,43 @@ class SglangBackend:
             last, final = await self._continue(turn, stitched)
             message, final, _ = await self._whole_message(turn, stitched, last, final)
             result = self.stitched_result(turn, stitched, (attempt, last or attempt), message, final)
+            result.routes = stitched.routes
+            finished = True
+            return result
+        finally:
+            stitched.end(finished)
+
+    async def _image_turn(self, turn: BackendTurn) -> BackendResult:
+        """A turn whose prompt holds images: `/generate` on our ids with every image (`sglang_generate`), resumed
+        across weight updates like a chat turn, its whole completion parsed by the server's own parser routes."""
+        check_version((await self.servers.get(turn.base_url, turn.headers)).version)
+        stitched = self.stitched(turn)
+        finished = False
+        try:
+            first: ChatAttempt | None = None
+            last: ChatAttempt | None = None
+            final = "length"
+            while (body := generate_body(turn, stitched, turn.sampling_defaults)) is not None:
+                prompt_ids = stitched.attempt_prompt()
+                response = await self.client.post_json(turn.base_url + GENERATE_PATH, body, turn.headers, turn.failover)
+                if response.status != 200:
+                    raise UpstreamPassthrough(response.status, response.body, response.content_type)
+                try:
+                    answer = response.json()
+                except ValueError as exc:
+                    raise UpstreamMalformed("sglang /generate answered 200 with a body that is not JSON") from exc
+                last = generate_attempt(answer, turn, prompt_ids)
+                first = first or last
+                stitched.read_routes(read_sglang, last.routes_text, len(last.ids), last.aborted)
+                if not last.aborted:
+                    stitched.add(last.kept())
+                    final = str(last.finish.get("type") or "stop")
+                    break
+                stitched.cut(last.kept())
+            if first is None or last is None:
+                raise UpstreamMalformed("sglang /generate was asked for no tokens; nothing was recorded")
+            message, final, _ = await self._whole_message(turn, stitched, last, final)
+            result = self.stitched_result(turn, stitched, (first, last), message, final)
             result.routes = stitched.routes
             finished = True
             return result

@@ -38,6 +38,7 @@ from tito_addon.backends.backend_protocol import (
 from tito_addon.backends.chunk_batches import batches, due, merged_generate_chunk
 from tito_addon.backends.engine_failover import FailoverLog
 from tito_addon.backends.expert_routes import without_choice_routes
+from tito_addon.backends.image_features import placed_features
 from tito_addon.backends.parser_inputs import derender_chat_request, prompt_seed
 from tito_addon.backends.resumed_generation import (
     DEFAULT_RESUME,
@@ -240,6 +241,8 @@ class VllmBackend:
         if turn is not None and turn.routes is not None:
             sampling["routed_experts_prompt_start"] = turn.routes.start
         request["sampling_params"] = sampling
+        if turn is not None:
+            request["features"] = placed_features(rendered.get("features"), turn.images)
         if version.at_least(0, 30):
             request["return_token_ids"] = True  # so generate proves which prompt it ran on
         return request

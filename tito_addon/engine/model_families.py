@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from tito_addon.engine.vision_tokens import QWEN2_5_VL, QWEN3_VL, VisionScheme
+
 # gpt-oss's template writes the render date into the system message. A fixed date keeps the same conversation at
 # the same ids on every day and in every process (prefix caching, GRPO groups, replays); set `current_date` in
 # tito_chat_template_kwargs to tell the model another date.
@@ -59,6 +61,8 @@ class ModelFamily:
     # system messages and an assistant prefill): `backends/parser_inputs.py`. So they are sent a seed of the prompt
     # and no conversation. False (the default family, whose server parsers are unknown): the whole of both.
     compact_requests: bool = False
+    # How the family's model sees images (its placeholder and its processor's resize); None: it reads text only.
+    vision: VisionScheme | None = None
 
     def thinking_kwargs(self, enabled: bool | None) -> dict[str, Any]:
         if enabled is None or self.thinking_switch is None:
@@ -94,6 +98,37 @@ FAMILIES: dict[str, ModelFamily] = {
         single_token_newline=True,
         chunking_invariant_parsers=True,
         compact_requests=True,
+    ),
+    "qwen2.5-vl": ModelFamily(
+        name="qwen2.5-vl",
+        description=(
+            "Qwen2.5-VL vision-language models: the official template's image and text parts, framed with tools as "
+            "Qwen2.5-Instruct frames them (the official VL template drops tools); each image is "
+            "<|vision_start|><|image_pad|><|vision_end|>, its pad repeated once per 28×28 pixels of the resized image "
+            "(patch 14, merge 2, 3,136 to 12,845,056 pixels); the newline after <|im_end|> is re-inserted."
+        ),
+        template_file="qwen2_5_vl_tools.jinja",
+        single_token_newline=True,
+        chunking_invariant_parsers=True,
+        compact_requests=True,
+        vision=QWEN2_5_VL,
+    ),
+    "qwen3-vl": ModelFamily(
+        name="qwen3-vl",
+        description=(
+            "Qwen3-VL instruct models: the official template as shipped (images in user messages and tool results); "
+            "each image's pad repeated once per 32×32 pixels of the resized image (patch 16, merge 2, 65,536 to "
+            "16,777,216 pixels); the newline after <|im_end|> is re-inserted. System messages only at the start."
+        ),
+        template_file="qwen3_vl_instruct.jinja",
+        single_token_newline=True,
+        chunking_invariant_parsers=True,
+        compact_requests=True,
+        vision=QWEN3_VL,
+        refused_append_roles={
+            "system": "its template renders a system message only as the first message (a later one is dropped); "
+            "allow only tool and user appends (tito_append_roles=tool,user)"
+        },
     ),
     "deepseek-r1": ModelFamily(
         name="deepseek-r1",
@@ -153,6 +188,8 @@ FAMILIES: dict[str, ModelFamily] = {
 def suggest_family(template: str) -> str | None:
     """The family to recommend when a tokenizer's own template fails the append-only probe."""
     if "<|im_start|>" in template:
+        if "<|image_pad|>" in template:
+            return "qwen3-vl" if "content.type == 'image'" in template else "qwen2.5-vl"
         return "qwen3" if "<think>" in template else "qwen2.5"
     if "<｜Assistant｜>" in template:
         return "deepseek-r1"

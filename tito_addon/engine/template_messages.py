@@ -12,8 +12,16 @@ from tito_addon.canonical_chat import ChatMessage, parse_arguments
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
-    """The dict a chat template sees: content as a string, arguments parsed, reasoning under one key."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
+    """The dict a chat template sees: content as a string (as parts where it holds images, each image a bare
+    `{"type": "image"}` the vision-language templates render as their placeholder), arguments parsed, reasoning under
+    one key."""
+    content: Any = message.text() or ""
+    if isinstance(message.content, list) and message.images():
+        content = [
+            {"type": "text", "text": part.text} if part.type == "text" else {"type": "image"}
+            for part in message.content
+        ]
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {

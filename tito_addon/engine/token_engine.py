@@ -12,7 +12,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -24,6 +24,7 @@ from tito_addon.engine.model_families import ModelFamily, suggest_family
 from tito_addon.engine.role_pieces import RolePieces
 from tito_addon.engine.template_messages import template_message
 from tito_addon.engine.tokenizer_loading import generation_eos_ids, rust_fast_path, text_encoder, tokenizer_sha256
+from tito_addon.engine.vision_tokens import ImagePads, PlacedImage, VisionScheme
 from tito_addon.tito_errors import BadRequest, TemplateRefusal, TokenizationError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class PromptPiece:
 
     ids: list[int]
     segments: list[Segment]
+    # The images of the messages it renders, each with the run of pad ids it became (offsets into `ids`).
+    images: list[PlacedImage] = field(default_factory=list)
 
 
 class TokenEngine:
@@ -73,6 +76,7 @@ class TokenEngine:
         append_roles: Sequence[str] = APPENDABLE_ROLES,
         pinned_kwargs: dict[str, Any] | None = None,
         tokenizer_name: str = "",
+        vision: VisionScheme | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self._fast: tokenizers.Tokenizer | None = None
@@ -117,6 +121,9 @@ class TokenEngine:
         self._tool_name_pattern = re.compile(family.tool_call_name_pattern) if family.tool_call_name_pattern else None
         self.template_sha256 = hashlib.sha256(self.template.encode()).hexdigest()
         self.tokenizer_sha256 = tokenizer_sha256(tokenizer)
+        self.images = ImagePads(
+            vision or family.vision, tokenizer, family=family.name, tokenizer_name=self.tokenizer_name
+        )
         self.pieces = RolePieces(
             self._synthetic_suffix_jinja, family=family.name, template=self.template, tokenizer=tokenizer
         )
@@ -178,8 +185,8 @@ class TokenEngine:
         self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
     ) -> PromptPiece:
         text = self.render([template_message(m) for m in messages], tools, add_generation_prompt=True, kwargs=kwargs)
-        ids = self.encode(text)
-        return PromptPiece(ids=ids, segments=[Segment("render", 0, len(ids))])
+        ids, images = self.images.expanded(self.encode(text), messages)
+        return PromptPiece(ids=ids, segments=[Segment("render", 0, len(ids))], images=images)
 
     def continuation(
         self,
@@ -204,6 +211,10 @@ class TokenEngine:
         split = len(body) - len(generation_ids)
         if generation_ids and body[split:] != generation_ids:
             split = len(body)  # the two merged across the edge: report them as one span
+        # Pads sit in the messages' span only: expanding them moves where the generation prompt starts.
+        body, images = self.images.expanded(body, appended)
+        split += sum(image.length - 1 for image in images)
+        images = [image.shifted(len(boundary)) for image in images]
         ids = boundary + body
         segments = []
         start = 0
@@ -215,7 +226,7 @@ class TokenEngine:
             if length:
                 segments.append(Segment(source, start, start + length))
                 start += length
-        return PromptPiece(ids=ids, segments=segments)
+        return PromptPiece(ids=ids, segments=segments, images=images)
 
     def boundary_ids(self, completion_ids: Sequence[int]) -> list[int]:
         """The end-of-turn tail the template writes after an assistant turn but the model did not emit.

@@ -56,14 +56,27 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return hashlib.sha256(vocab.encode()).hexdigest()
 
 
-def generation_eos_ids(name_or_path: str) -> list[int]:
+def generation_config(name_or_path: str) -> dict[str, Any]:
+    """A local model directory's generation_config.json ({} when there is none, or it is unreadable)."""
     config = Path(name_or_path) / "generation_config.json"
     if not config.is_file():
-        return []
+        return {}
     try:
-        value = json.loads(config.read_text("utf-8")).get("eos_token_id")
+        value = json.loads(config.read_text("utf-8"))
     except (OSError, ValueError):
-        return []
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def sampling_defaults(name_or_path: str) -> dict[str, Any]:
+    """The sampling params the model recommends (its generation_config.json), as sglang's chat endpoint reads them."""
+    config = generation_config(name_or_path)
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {name: config[name] for name in names if isinstance(config.get(name), int | float)}
+
+
+def generation_eos_ids(name_or_path: str) -> list[int]:
+    value = generation_config(name_or_path).get("eos_token_id")
     if isinstance(value, int):
         return [value]
     return [v for v in value or [] if isinstance(v, int)]

@@ -150,6 +150,25 @@ class TitoSettings(BaseModel):
         "layer: rollout routing replay) and record them beside the session. Each turn asks only from where its "
         "parents' routes end. The engine must run with --enable-return-routed-experts.",
     )
+    image_min_pixels: int = option(
+        0,
+        "Vision-language families: the fewest pixels the model's image processor resizes an image to (its "
+        "preprocessor_config.json size.shortest_edge, or the server's --mm-processor-kwargs min_pixels); 0: the "
+        "family's own (Qwen2.5-VL 3136, Qwen3-VL 65536). Decides how many tokens each image becomes.",
+        ge=0,
+    )
+    image_max_pixels: int = option(
+        0,
+        "Vision-language families: the most pixels an image is resized to (size.longest_edge, or max_pixels); 0: the "
+        "family's own (Qwen2.5-VL 12845056, Qwen3-VL 16777216).",
+        ge=0,
+    )
+    images_max: int = option(
+        100,
+        "Images a request may hold, its whole history counted (each is sent to the engine every turn); more is a "
+        "400 and nothing is forwarded.",
+        ge=1,
+    )
     routed_experts_shape: str = option(
         "",
         "LAYERSxTOPK of the model's routes (its num_hidden_layers x num_experts_per_tok, e.g. 48x8): needed on sglang, "
@@ -225,6 +244,12 @@ class TitoSettings(BaseModel):
             raise ValueError("tito_engines is a fixed list of engines without a router: set it or tito_router")
         if self.engines and self.backend_url and self.backend_url != self.engines[0]:
             raise ValueError("tito_engines replaces tito_backend_url: set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _pixel_bounds(self) -> TitoSettings:
+        if self.image_min_pixels and self.image_max_pixels and self.image_min_pixels > self.image_max_pixels:
+            raise ValueError("tito_image_min_pixels is more than tito_image_max_pixels")
         return self
 
     @field_validator("routed_experts_shape")

@@ -40,7 +40,17 @@ from tito_addon.turns.turn_service import TurnService
 logger = logging.getLogger(__name__)
 
 # Settings whose change needs a new token engine (and so a new tokenizer load).
-ENGINE_SETTINGS = frozenset({"tokenizer", "model_family", "append_roles", "chat_template_kwargs", "trust_remote_code"})
+ENGINE_SETTINGS = frozenset(
+    {
+        "tokenizer",
+        "model_family",
+        "append_roles",
+        "chat_template_kwargs",
+        "trust_remote_code",
+        "image_min_pixels",
+        "image_max_pixels",
+    }
+)
 
 
 class WiringError(ValueError):
@@ -132,6 +142,7 @@ class TurnWiring:
             after_close=settings.after_close,
             in_flight=self.in_flight,
             routed_experts=RoutesWanted(settings.route_shape) if settings.routed_experts else None,
+            images_max=settings.images_max,
         )
         self.settings, self.engine = settings, engine
         tune_collector(settings.gc_threshold)
@@ -200,6 +211,9 @@ def build_engine(settings: TitoSettings) -> TokenEngine:
             append_roles=roles,
             pinned_kwargs=settings.chat_template_kwargs,
             tokenizer_name=settings.tokenizer,
+            vision=family.vision.with_pixels(settings.image_min_pixels or None, settings.image_max_pixels or None)
+            if family.vision is not None
+            else None,
         )
         engine.check_append_only()
     except (ValueError, TitoError) as exc:

@@ -121,6 +121,20 @@ class RoutedExperts(BaseModel):
         return self.rows * (self.layers or 0) * (self.topk or 0) * width
 
 
+class RecordedImage(BaseModel):
+    """An image a turn's prompt added: the file in the record dir's image store (`images/<sha256>.<format>`), the size
+    it was displayed at, and the run of pad ids it became in the session's sequence (from its first id)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    format: Literal["png", "jpeg", "gif", "webp"]
+    width: int = Field(ge=1)
+    height: int = Field(ge=1)
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1)
+
+
 class Failover(BaseModel):
     """Backend calls of a turn that a dead engine broke and the proxy sent again (`engine_failover`)."""
 
@@ -201,6 +215,8 @@ class TurnRecord(BaseModel):
     # many of its sequence's first positions its record chain holds routes for (all but its last: complete).
     routed_experts: RoutedExperts | None = None
     routed_experts_through: int | None = None
+    # Only where its prompt added images: each image's file in the image store and its run of pad ids.
+    images: list[RecordedImage] | None = None
     # The episode the turn belongs to (a named session's name; in an automatic session, `SESSION/ROOT_TURN` of the
     # rollout's first turn), what kind of call it is, and on a segment's first turn that continues another, which
     # turn that is. `call_reason`: why the rules placed it so, where a rule rather than its parent decided. Lines
@@ -259,7 +275,7 @@ OMITTED_AT_DEFAULT: dict[str, Any] = {
     "render_skew": None, "backend_version": None, "api": "chat", "reply_id": None, "appended_items": None,
     "left_out": None, "weight_version": None, "weight_version_spans": None, "completion_budget": None,
     "served_model": None, "follows": None, "call_reason": None, "reasoning_tokens": None, "resumed": None,
-    "routed_experts": None, "routed_experts_through": None,
+    "routed_experts": None, "routed_experts_through": None, "images": None,
     "parent_weight_version": None, "engine": None, "failover": None,
 }  # fmt: skip
 

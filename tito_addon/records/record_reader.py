@@ -227,12 +227,16 @@ def iter_session_files(record_dir: Path) -> Iterator[SessionFile]:
         yield merge_parts(paths)
 
 
+# A recorded message's image parts name their images without the bytes (those are in the image store).
+RECORDED = {"recorded": True}
+
+
 def recorded_segment(turn: TurnRecord) -> tuple[list[bytes], ChatMessage]:
     """The message keys a recorded turn added to its session's tree (its appended messages, then its assistant
     message, keyed as live turns are), and that assistant message."""
     assistant = ChatMessage.model_validate({**turn.assistant_message, "role": "assistant"})
     if turn.appended_messages is not None:
-        keys = [message_key(ChatMessage.model_validate(m)) for m in turn.appended_messages]
+        keys = [message_key(ChatMessage.model_validate(m, context=RECORDED)) for m in turn.appended_messages]
     else:
         keys = [bytes.fromhex(k) for k in turn.appended_keys or ()]
     keys.append(message_key(assistant))

@@ -10,11 +10,13 @@ benchmarks, and tests of what does not depend on records).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from tito_addon.chat_images import ChatImage
+from tito_addon.records.image_store import ImageStore
 from tito_addon.records.record_models import AnnotationRecord, TurnRecord
 from tito_addon.records.record_reader import (
     RecordError,
@@ -37,10 +39,16 @@ class Records(Protocol):
     """What is recorded of sessions, line by line. Writes raise `OSError` when the line could not be written; reads
     raise `OSError` or `RecordError`."""
 
-    def append_turn(self, session_id: str, fields: dict[str, Any], routes: bytes | None = None) -> None:
-        """A committed turn's line, from its fields (`TurnRecord.line_fields`, or built as those are), and its MoE
-        routes' rows (`fields["routed_experts"]` says their shape), kept first, where the line's file and offset
-        say."""
+    def append_turn(
+        self,
+        session_id: str,
+        fields: dict[str, Any],
+        routes: bytes | None = None,
+        images: Sequence[ChatImage] = (),
+    ) -> None:
+        """A committed turn's line, from its fields (`TurnRecord.line_fields`, or built as those are), its MoE routes'
+        rows (`fields["routed_experts"]` says their shape) and the images its prompt added (`fields["images"]` names
+        them), both kept first, where the line says."""
         ...
 
     def append_turn_record(self, record: TurnRecord) -> None:
@@ -77,10 +85,19 @@ class FileRecords:
     def __init__(self, record_dir: str | Path, writer: str | None = None) -> None:
         self.lines = TrajectoryRecorder(record_dir, writer=writer)
         self.record_dir = self.lines.record_dir
+        self.images = ImageStore(self.record_dir)
         # Per digest: what it gave of each session, kept while no part of the session changed.
         self._reads: dict[Callable, SessionReads[Any]] = {}
 
-    def append_turn(self, session_id: str, fields: dict[str, Any], routes: bytes | None = None) -> None:
+    def append_turn(
+        self,
+        session_id: str,
+        fields: dict[str, Any],
+        routes: bytes | None = None,
+        images: Sequence[ChatImage] = (),
+    ) -> None:
+        if images:
+            self.images.put(images)
         if routes:
             file, offset = self.lines.write_routes(session_id, routes)
             fields["routed_experts"] = {**fields["routed_experts"], "file": file, "offset": offset}
@@ -131,7 +148,13 @@ class NullRecords:
 
     record_dir = None
 
-    def append_turn(self, session_id: str, fields: dict[str, Any], routes: bytes | None = None) -> None:
+    def append_turn(
+        self,
+        session_id: str,
+        fields: dict[str, Any],
+        routes: bytes | None = None,
+        images: Sequence[ChatImage] = (),
+    ) -> None:
         pass
 
     def append_turn_record(self, record: TurnRecord) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -88,6 +88,16 @@ class ReplicaConfig(ExpertRoutingFields):
         default=("<summary>", "CONTEXT CHECKPOINT COMPACTION"),
         description="a last user message holding one of these asks for a summary: the script answers with text "
         "(never a tool call), whatever tool_rounds says",
+    )
+    vision: Literal["qwen2.5-vl", "qwen3-vl"] | None = Field(
+        default=None,
+        description="serve a vision-language model of this line: native /generate takes image_data and expands one "
+        "<|image_pad|> per image in input_ids (SGLANG_MM_AVOID_RETOKENIZE)",
+    )
+    exact_images: bool = Field(
+        default=True,
+        description="False: the exact image path fails on every request and falls back, silently, to decoding the "
+        "ids and re-tokenizing them (0.5.13-0.5.19 with a JPEG on a CUDA server)",
     )
     summary_text: str = Field(
         default="The user asked about the weather; the tools were called and their results reported.",

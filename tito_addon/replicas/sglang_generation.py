@@ -32,6 +32,7 @@ from tito_addon.replicas.scripted_model import (
     tool_functions,
 )
 from tito_addon.replicas.sglang_config import MODEL_ID, ReplicaConfig
+from tito_addon.replicas.vision_processing import described
 
 _TOOL_CALL_RE = re.compile(re.escape(TOOL_START) + r"(.*?)" + re.escape(TOOL_END), re.DOTALL)
 _STREAM_FLAGS = ("return_prompt_token_ids", "return_meta_info", "return_token_ids")
@@ -272,7 +273,7 @@ class SglangGeneration:
         if self.config.honor_input_ids and body.get("input_ids") is not None:
             # The model sees only the ids: what it says follows from them, never from `messages`, which sglang's
             # parsers barely read when input_ids is given (a proxy may send a placeholder there).
-            conversation, _ = conversation_from_prompt(tok.decode(prompt_ids))
+            conversation, _ = conversation_from_prompt(described(tok.decode(prompt_ids), body.get("_images") or []))
             if conversation["messages"]:
                 script_body = {**body, "messages": conversation["messages"]}
         script = script_turn(

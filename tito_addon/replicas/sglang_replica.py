@@ -36,17 +36,15 @@ import json
 import sys
 import threading
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
 from tito_addon.replicas.engine_pause import PAUSE_MODES, EnginePause, Generation
-from tito_addon.replicas.expert_routing import route_rows, sglang_routes_b64
 from tito_addon.replicas.faults import TRANSPORT_FAULTS, answer_transport_fault
 from tito_addon.replicas.replica_runner import BackendThread, ServedApp, json_response
 from tito_addon.replicas.replica_tokenizer import load_tokenizer
-from tito_addon.replicas.scripted_model import logprob, tool_functions
+from tito_addon.replicas.scripted_model import tool_functions
 from tito_addon.replicas.sglang_bodies import SglangBodies
 from tito_addon.replicas.sglang_config import MODEL_ID, OLD_SGLANG_VERSION, ReplicaConfig
 from tito_addon.replicas.sglang_generation import (
@@ -59,6 +57,8 @@ from tito_addon.replicas.sglang_generation import (
     truthy,
 )
 from tito_addon.replicas.sglang_generation import Generation as ChatGeneration
+from tito_addon.replicas.sglang_native import SglangNative, error_body
+from tito_addon.replicas.vision_processing import VisionModel
 
 __all__ = [
     "FAULT_NAMES",
@@ -92,16 +92,13 @@ FAULT_NAMES: frozenset[str] = frozenset(
 _TRANSPORT_FAULTS = frozenset({"http500", "http429", "http503"}) | TRANSPORT_FAULTS
 
 
-def _error_body(message: str, code: int, err_type: str = "BadRequestError") -> dict[str, Any]:
-    return {"object": "error", "message": message, "type": err_type, "param": None, "code": code}
-
-
-class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
+class ReferenceBackend(ServedApp, SglangNative, SglangGeneration, SglangBodies):
     """The sglang replica: an aiohttp app plus its state (received bodies, fault queue, cache)."""
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer)
+        self.vision = VisionModel(config.vision) if config.vision else None
         self.received: list[dict[str, Any]] = []
         # What each answered chat request generated (prompt and completion ids, logprobs), in order.
         self.generated: list[dict[str, Any]] = []
@@ -190,7 +187,7 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
 
     async def _server_info(self, request: web.Request) -> web.Response:
         if not self.config.report_version:
-            return json_response(_error_body("Not Found", 404), status=404)
+            return json_response(error_body("Not Found", 404), status=404)
         return json_response(
             {
                 "version": self.config.version if self.config.honor_input_ids else OLD_SGLANG_VERSION,
@@ -218,46 +215,12 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
                 raise TypeError("faults must be a list of strings")
             self.set_faults(faults)
         except (ValueError, KeyError, TypeError) as exc:
-            return json_response(_error_body(f"bad fault request: {exc}", 400), status=400)
+            return json_response(error_body(f"bad fault request: {exc}", 400), status=400)
         return json_response({"faults": self.pending_faults()})
 
     async def _replica_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return json_response({"status": "ok"})
-
-    # ----------------------------------------------------------------- native /generate (prompt scoring)
-    async def _generate_native(self, request: web.Request) -> web.Response:
-        """sglang's native /generate, as used to score given ids: `input_ids`, `return_logprob`,
-        `logprob_start_len`, `max_new_tokens: 0` -> `meta_info.input_token_logprobs` ([logprob, id, text])."""
-        try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return json_response(_error_body(f"Invalid JSON body: {exc}", 400), status=400)
-        ids = body.get("input_ids") if isinstance(body, dict) else None
-        with self._lock:
-            self.scored.append(body)
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            return json_response(_error_body("input_ids must be a non-empty list of ints", 400), status=400)
-        try:  # the scheduler's check of the routes' start: an abort whose message /generate answers as a 400
-            self._check_routes_start(len(ids), body)
-        except BadRequest as exc:
-            return json_response({"error": {"message": str(exc)}}, status=400)
-        routes_from = None  # where the routes start (an older server: always 0), None for no routes
-        if self.config.routed_experts and truthy(body.get("return_routed_experts")):
-            routes_from = body.get("routed_experts_start_len", 0) if self.config.honor_input_ids else 0
-        start = body.get("logprob_start_len", -1)
-        start = len(ids) - 1 if not isinstance(start, int) or start < 0 else start
-        shift = self.config.checkpoint_shift
-        # Position-relative to the scored span, the same function the chat endpoint samples with: the same
-        # "checkpoint" scores a recorded completion exactly as it generated it.
-        scored = [[logprob(i - start, t) - shift, t, None] for i, t in enumerate(ids) if i >= start]
-        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0},
-                "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0,
-                "input_token_logprobs": scored if body.get("return_logprob") else [],
-                "output_token_logprobs": []}  # fmt: skip
-        if routes_from is not None:  # no output: rows [start, prompt - 1)
-            meta["routed_experts"] = sglang_routes_b64(route_rows(self.config, ids, routes_from))
-        return json_response({"text": "", "output_ids": [], "meta_info": meta})
 
     # ----------------------------------------------------------------- chat
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -265,9 +228,9 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             body = json.loads(await request.read())
         except (ValueError, UnicodeDecodeError) as exc:
-            return json_response(_error_body(f"Invalid JSON body: {exc}", 400), status=400)
+            return json_response(error_body(f"Invalid JSON body: {exc}", 400), status=400)
         if not isinstance(body, dict):
-            return json_response(_error_body("Request body must be a JSON object.", 400), status=400)
+            return json_response(error_body("Request body must be a JSON object.", 400), status=400)
         with self._lock:
             self.received.append(body)
             self.received_headers.append(dict(request.headers))
@@ -285,11 +248,11 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         except BadRequest as exc:
             if stream and isinstance(exc, AbortedRequest):
                 return await self._stream_abort(request, str(exc))
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         rid = body.get("rid")
         if isinstance(rid, str) and rid:
             if rid in self.pause.in_flight:  # sglang's tokenizer manager refuses a rid still alive
-                return json_response(_error_body("Duplicate request ID detected", 400), status=400)
+                return json_response(error_body("Duplicate request ID detected", 400), status=400)
             gen.rid = rid
         generation = await self.pause.admit(gen.rid)  # queued while the engine is paused
         try:
@@ -355,9 +318,9 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             mode = (await self._json_object(request)).get("mode", "abort")
         except BadRequest as exc:
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         if mode not in PAUSE_MODES - {"wait", "keep"}:
-            return json_response(_error_body(f"Invalid mode {mode!r}", 400), status=400)
+            return json_response(error_body(f"Invalid mode {mode!r}", 400), status=400)
         await self.pause.pause(mode)
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -370,7 +333,7 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             body = await self._json_object(request)
         except BadRequest as exc:
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         rid = body["rid"] if isinstance(body.get("rid"), str) else ""
         if body.get("abort_all") is True or rid:
             self.pause.abort("" if body.get("abort_all") is True else rid)
@@ -382,10 +345,10 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             body = await self._json_object(request)
         except BadRequest as exc:
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         version = body.get("new_version")
         if not isinstance(version, str):
-            return json_response(_error_body("new_version must be a string", 400), status=400)
+            return json_response(error_body("new_version must be a string", 400), status=400)
         if body.get("abort_all_requests", True) is not False:
             self.pause.abort()
         self.config.weight_version = version
@@ -396,10 +359,10 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             body = await self._json_object(request)
         except BadRequest as exc:
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < self.tokenizer.size for t in tokens):
-            return json_response(_error_body("tokens must be a list of token ids", 400), status=400)
+            return json_response(error_body("tokens must be a list of token ids", 400), status=400)
         skip = body.get("skip_special_tokens", True) is not False
         return json_response({"text": self.tokenizer.decode(tokens, skip_special_tokens=skip)})
 
@@ -408,7 +371,7 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             body = await self._json_object(request)
         except BadRequest as exc:
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         if body.get("reasoning_parser") != "qwen3" or not isinstance(body.get("text"), str):
             return json_response(
                 {"detail": f"Unsupported reasoning parser {body.get('reasoning_parser')!r}"}, status=500
@@ -423,7 +386,7 @@ class ReferenceBackend(ServedApp, SglangGeneration, SglangBodies):
         try:
             body = await self._json_object(request)
         except BadRequest as exc:
-            return json_response(_error_body(str(exc), 400), status=400)
+            return json_response(error_body(str(exc), 400), status=400)
         if body.get("tool_call_parser") != "qwen25" or not isinstance(body.get("text"), str):
             return json_response(
                 {"detail": f"Unsupported tool_call_parser {body.get('tool_call_parser')!r}"}, status=500

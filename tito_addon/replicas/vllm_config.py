@@ -79,6 +79,12 @@ class VllmReplicaConfig(ExpertRoutingFields):
         description="0.32: weights updated during every generation: the first half of its tokens report this "
         "version and the rest weight_version (two weight_versions spans)",
     )
+    vision: Literal["qwen2.5-vl", "qwen3-vl"] | None = Field(
+        default=None,
+        description="serve a vision-language model of this line: chat image_url parts are loaded and expanded by "
+        "render (features), and generate takes features",
+    )
+    chat_template: str | None = Field(default=None, description="--chat-template: a template file to render with")
 
 
 class HttpError(Exception):

@@ -22,7 +22,8 @@ from tito_addon.replicas.engine_pause import EnginePause, Generation, spans_of
 from tito_addon.replicas.expert_routing import route_rows, vllm_routes_b64
 from tito_addon.replicas.replica_tokenizer import noncanonical_ids
 from tito_addon.replicas.scripted_model import completion_text, conversation_from_prompt, logprob, script_turn
-from tito_addon.replicas.vllm_config import MAX_TOP_LOGPROBS, VllmEndpoint, bad_request, is_int
+from tito_addon.replicas.vision_processing import SeenImage, described
+from tito_addon.replicas.vllm_config import MAX_TOP_LOGPROBS, HttpError, VllmEndpoint, bad_request, is_int
 
 
 class GenerateEndpoint(VllmEndpoint):
@@ -33,6 +34,7 @@ class GenerateEndpoint(VllmEndpoint):
     cancelled_streams: int
     generated: list[dict[str, Any]]
     pause: EnginePause
+    image_items: dict[str, str]
     _lock: threading.Lock
 
     def _run_model(self, body: dict[str, Any], request: web.Request) -> dict[str, Any]:
@@ -62,13 +64,14 @@ class GenerateEndpoint(VllmEndpoint):
         if k is not None and (not is_int(k) or k < -1):
             raise bad_request("logprobs must be a non-negative integer or -1", param="logprobs")
         routes_from = self._routes_start(sp, len(ids))
+        images = self._features_in(body.get("features"), len(ids))
 
         prompt_ids = [int(t) for t in ids]
         continued = self.pause.continuation(prompt_ids)
         if continued is not None:  # a cut generation's prompt + partial output: it goes on where it was cut
             out, offset = list(continued[0]), continued[1]
         else:
-            conv, thinking = conversation_from_prompt(tok.decode(prompt_ids))
+            conv, thinking = conversation_from_prompt(described(tok.decode(prompt_ids), [i for i, _ in images]))
             script = script_turn(conv, thinking, answer_sentences=self.config.answer_sentences)
             text, spans, fallback = completion_text(script)
             out, _ = noncanonical_ids(tok, text, spans, fallback, enabled=self.config.noncanonical)
@@ -97,7 +100,56 @@ class GenerateEndpoint(VllmEndpoint):
             "labels": [],
             "top_k": None if k is None else (MAX_TOP_LOGPROBS if k == -1 else min(k, MAX_TOP_LOGPROBS)),
             "routes_from": routes_from,
+            "images": [
+                {"sha256": seen.sha256, "width": seen.width, "height": seen.height, **run} for seen, run in images
+            ],
         }
+
+    def _features_in(self, features: Any, n_ids: int) -> list[tuple[SeenImage, dict[str, int]]]:
+        """The images a generate request's `features` place, checked as the server checks them (0.32's
+        `MultiModalFeatures` validator and bounds check, then the model runner's count of embeddings against
+        placeholders); an item without data is taken from the receiver cache, where an earlier request left it."""
+        if features is None:
+            return []
+        if not isinstance(features, dict) or not all(
+            isinstance(features.get(k), dict) for k in ("mm_hashes", "mm_placeholders")
+        ):
+            raise bad_request("features: mm_hashes and mm_placeholders must be objects", param="features")
+        hashes, placeholders = features["mm_hashes"], features["mm_placeholders"]
+        data = features.get("kwargs_data")
+        if self.v32 and (set(hashes) != set(placeholders) or (isinstance(data, dict) and set(data) != set(hashes))):
+            raise bad_request("features: modality keys must match across mm_hashes, mm_placeholders and kwargs_data")
+        if set(hashes) - {"image"}:
+            raise bad_request("this replica serves image features only", param="features")
+        runs = placeholders.get("image") or []
+        digests = hashes.get("image") or []
+        items = (data or {}).get("image") if isinstance(data, dict) else None
+        items = items if items is not None else [None] * len(runs)
+        if not (len(runs) == len(digests) == len(items)):
+            raise bad_request("features: mm_hashes, mm_placeholders and kwargs_data differ in length per modality")
+        end = 0
+        out: list[tuple[SeenImage, dict[str, int]]] = []
+        for digest, run, item in zip(digests, runs, items, strict=True):
+            offset, length = (run.get("offset"), run.get("length")) if isinstance(run, dict) else (None, None)
+            if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 1:
+                raise bad_request("features: a placeholder needs offset >= 0 and length > 0", param="features")
+            if self.v32 and offset < end:
+                raise bad_request("features: mm_placeholders must be globally non-overlapping and sorted")
+            if self.v32 and offset + length > n_ids:
+                raise bad_request("mm_placeholders must remain within the token_ids sequence", param="features")
+            end = offset + length
+            if item is None:
+                item = self.image_items.get(digest)
+                if item is None:
+                    raise HttpError(500, f"Expected a cached item for mm_hash={digest!r}")
+            self.image_items[digest] = item
+            seen = SeenImage.from_item(item)
+            t, h, w = seen.grid
+            tokens = t * h * w // 4
+            if tokens != length:
+                raise HttpError(500, f"Attempted to assign {tokens} multimodal tokens to {length} placeholders")
+            out.append((seen, {"offset": offset, "length": length}))
+        return out
 
     def _routes_start(self, sp: dict[str, Any], n_prompt: int) -> int:
         """`sampling_params.routed_experts_prompt_start`: 0.32's input processor refuses one outside [0, prompt
@@ -217,13 +269,20 @@ class GenerateEndpoint(VllmEndpoint):
             "prompt_logprobs": None,
             "prompt_token_id_logprobs": None,
             "prompt_token_ids": self._echo(gen["prompt_ids"], fault) if body.get("return_token_ids") is True else None,
-            "mm_placeholders": None,
+            "mm_placeholders": self._placeholders_echo(body, gen),
             "metrics": None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
             "output_mode": "tokens",
             "choices": [choice],
         }
+
+    @staticmethod
+    def _placeholders_echo(body: dict[str, Any], gen: dict[str, Any]) -> dict[str, Any] | None:
+        """0.30+ with `return_token_ids`: where each image's placeholders were in the prompt it ran on."""
+        if body.get("return_token_ids") is not True or not gen["images"]:
+            return None
+        return {"image": [{"offset": i["offset"], "length": i["length"]} for i in gen["images"]]}
 
     def _weight_versions(self, gen: dict[str, Any]) -> list[dict[str, Any]] | None:
         """0.32's spans of the weights that sampled the output tokens: the label each token was stamped with as it
@@ -292,7 +351,7 @@ class GenerateEndpoint(VllmEndpoint):
             "request_id": gen["request_id"],
             "usage": None,
             "prompt_token_ids": list(gen["prompt_ids"]) if i == 0 and body.get("return_token_ids") is True else None,
-            "mm_placeholders": None,
+            "mm_placeholders": self._placeholders_echo(body, gen) if i == 0 else None,
             "metrics": None,
             "output_mode": "tokens",
             "choices": [choice],

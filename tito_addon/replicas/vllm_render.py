@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from tito_addon.replicas.scripted_model import ASSISTANT_OPEN, THINK_END
+from tito_addon.replicas.vision_processing import IMAGE_PAD, ImageLoadError, SeenImage, VisionModel, expand
 from tito_addon.replicas.vllm_config import MAX_TOP_LOGPROBS, VllmEndpoint, bad_request, is_int, is_number
 
 #: vLLM's SamplingParams default ``max_tokens``; msgspec's omit_defaults drops a value equal to it.
@@ -23,6 +24,9 @@ _CHAT_PARAM_DEFAULTS = {"cohere_format": "cmd4"}
 
 class RenderEndpoint(VllmEndpoint):
     """The render endpoint's bodies (the replica's ``_render`` handler answers with them)."""
+
+    vision: VisionModel | None
+    chat_template: str | None
 
     def _render_body(self, body: dict[str, Any], request: web.Request) -> dict[str, Any]:
         self._check_model(body.get("model"))
@@ -47,7 +51,11 @@ class RenderEndpoint(VllmEndpoint):
         if add_generation_prompt and continue_final:
             raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
-        prompt_ids = self._apply_template(messages, tools or None, kwargs, add_generation_prompt, continue_final)
+        images: list[SeenImage] = []
+        prompt_ids = self._apply_template(
+            messages, tools or None, kwargs, add_generation_prompt, continue_final, images
+        )
+        features = self._features(prompt_ids, images) if images else None
         room = self._room(len(prompt_ids), " Please reduce the length of the input messages.")
         requested = body.get("max_completion_tokens")
         if requested is None:
@@ -63,9 +71,9 @@ class RenderEndpoint(VllmEndpoint):
         stream = body.get("stream") is True
         out: dict[str, Any] = {"request_id": f"chatcmpl-{rid}", "token_ids": prompt_ids}
         if self.v32:
-            out.update({"token_offsets": None, "features": None, "content_parts": None})
+            out.update({"token_offsets": None, "features": features, "content_parts": None})
         else:
-            out["features"] = None
+            out["features"] = features
         out["sampling_params"] = sampling
         out["model"] = body.get("model")
         if self.v32:
@@ -105,13 +113,19 @@ class RenderEndpoint(VllmEndpoint):
         kwargs: dict[str, Any],
         add_generation_prompt: bool,
         continue_final: bool,
+        images: list[SeenImage],
     ) -> list[int]:
-        """vLLM's chat-message preprocessing, then the tokenizer's own chat template."""
+        """vLLM's chat-message preprocessing, then the tokenizer's own chat template (or `--chat-template`'s).
+
+        A vision-language model's template reads content parts ("openai" content format): each image part is loaded
+        into `images`, in order, and given to the template as `{"type": "image"}`; its pad is expanded afterwards."""
         prepared: list[dict[str, Any]] = []
         for m in messages:
             m = dict(m)
             content = m.get("content")
-            if isinstance(content, list):  # "string" content format: text parts joined by newlines
+            if isinstance(content, list) and self.vision is not None:
+                m["content"] = self._vision_parts(content, images)
+            elif isinstance(content, list):  # "string" content format: text parts joined by newlines
                 m["content"] = "\n".join(
                     str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
                 )
@@ -149,6 +163,7 @@ class RenderEndpoint(VllmEndpoint):
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final,
                     tokenize=False,
+                    **({"chat_template": self.chat_template} if self.chat_template else {}),
                     **extra,
                 )
         except Exception as exc:  # jinja errors ("No user query found in messages.", ...)
@@ -156,6 +171,45 @@ class RenderEndpoint(VllmEndpoint):
         if not isinstance(text, str):  # pragma: no cover - defensive
             raise bad_request("the chat template did not render to a string")
         return tok.encode(text)
+
+    def _vision_parts(self, content: list[Any], images: list[SeenImage]) -> list[dict[str, Any]]:
+        assert self.vision is not None
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url":
+                wrapped = part.get("image_url")
+                url = wrapped.get("url") if isinstance(wrapped, dict) else wrapped
+                try:
+                    images.append(self.vision.load(url))
+                except ImageLoadError as exc:
+                    raise bad_request(f"Failed to load image: {exc}") from exc
+                parts.append({"type": "image"})
+            else:
+                raise bad_request(f"Unknown part type: {kind}")
+        return parts
+
+    def _features(self, prompt_ids: list[int], images: list[SeenImage]) -> dict[str, Any]:
+        """The prompt's images as render answers them: each pad expanded in `prompt_ids` (in place), and per image
+        its hash, placeholder run and processed item (`MultiModalFeatures`; 0.32 adds `mm_metadata`)."""
+        pad = self.tokenizer.tok.convert_tokens_to_ids(IMAGE_PAD)
+        expanded = expand(prompt_ids, pad, images)
+        if expanded is None:
+            raise bad_request(
+                f"Failed to apply prompt replacement for mm_items['image']: the prompt has "
+                f"{prompt_ids.count(pad)} image placeholders for {len(images)} images"
+            )
+        prompt_ids[:], runs = expanded
+        features: dict[str, Any] = {
+            "mm_hashes": {"image": [image.sha256 for image in images]},
+            "mm_placeholders": {"image": runs},
+            "kwargs_data": {"image": [image.item() for image in images]},
+        }
+        if self.v32:
+            features["mm_metadata"] = {"image": [image.item() for image in images]}
+        return features
 
     def _reasoning_ended_in_prompt(self, prompt_ids: list[int]) -> bool:
         """Whether the CURRENT turn's think block is already closed (``enable_thinking=False``).

@@ -36,6 +36,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -44,6 +45,7 @@ from tito_addon.replicas.engine_pause import EnginePause
 from tito_addon.replicas.faults import TRANSPORT_FAULTS, answer_transport_fault
 from tito_addon.replicas.replica_runner import BackendThread, ServedApp, json_response
 from tito_addon.replicas.replica_tokenizer import load_tokenizer
+from tito_addon.replicas.vision_processing import VisionModel
 from tito_addon.replicas.vllm_config import HttpError, VllmReplicaConfig, error_body
 from tito_addon.replicas.vllm_derender import DerenderEndpoint
 from tito_addon.replicas.vllm_generate import GenerateEndpoint
@@ -75,6 +77,10 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
     def __init__(self, config: VllmReplicaConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer)
+        self.vision = VisionModel(config.vision) if config.vision else None
+        self.chat_template = Path(config.chat_template).read_text("utf-8") if config.chat_template else None
+        #: the engine's multimodal receiver cache (`lru`): an item's data by hash, once a request carried it
+        self.image_items: dict[str, str] = {}
         #: ``(path, parsed body)`` of every POST to render / generate / derender, in order
         self.received: list[tuple[str, dict[str, Any]]] = []
         #: per successful generate: ``{"prompt_ids", "completion_ids", "logprobs"}``, and once it ended ``"labels"``
@@ -250,6 +256,8 @@ class VllmReplica(ServedApp, RenderEndpoint, GenerateEndpoint, DerenderEndpoint)
             if self.config.latency_s > 0:
                 await asyncio.sleep(self.config.latency_s)
             gen["entry"] = {"prompt_ids": gen["prompt_ids"], "completion_ids": gen["ids"], "logprobs": gen["logprobs"]}
+            if gen.get("images"):
+                gen["entry"]["images"] = gen["images"]
             with self._lock:
                 self.generated.append(gen["entry"])
             if self.v32 and body.get("stream") is True:

@@ -31,8 +31,9 @@ def _field(parts: list[bytes], text: str) -> None:
 
 
 def message_key(message: ChatMessage) -> MessageKey:
-    """Identity of a message, reasoning excluded (see `reasoning_matches`): a digest of its role, text and tool
-    calls (id, name, parsed arguments). Computed once per message object (they are frozen)."""
+    """Identity of a message, reasoning excluded (see `reasoning_matches`): a digest of its role, text, images (by
+    their bytes' digest) and tool calls (id, name, parsed arguments). Computed once per message object (they are
+    frozen)."""
     # Read and written through pydantic's private dict: its attribute access costs more than a short digest.
     private = message.__pydantic_private__
     known = private.get("_key") if private is not None else None
@@ -41,6 +42,10 @@ def message_key(message: ChatMessage) -> MessageKey:
     parts: list[bytes] = []
     _field(parts, message.role)
     _field(parts, message.text() or "")
+    for index, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        if part.type == "image":
+            # Where it sits among the parts and which image it is; a text-only message keys as it always has.
+            _field(parts, f"image {index} {part.sha256}")
     for call in message.tool_calls or ():
         _field(parts, call.id or "")
         _field(parts, call.function.name)

@@ -343,7 +343,7 @@ def pack_turn(stored: StoredTurn, path: bytes) -> bytes:
     added, completion = pack_ids(turn.prompt_added_ids), pack_ids(turn.completion_ids)
     chain = pack_ids(stored.chain)
     rare = {name: value for name, default in TAIL.items() if (value := getattr(turn, name)) != default}
-    tail = json.dumps(rare, sort_keys=True).encode()
+    tail = json.dumps(rare, sort_keys=True, default=_plain).encode()
     header = HEADER.pack(
         -1 if stored.parent_turn_id is None else stored.parent_turn_id,
         turn.message_end,
@@ -354,6 +354,13 @@ def pack_turn(stored: StoredTurn, path: bytes) -> bytes:
         bool(reasoning),
     )
     return b"".join((header, *turn.segment_keys, reasoning, path, added, completion, chain, tail))
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON: a dataclass (an image span) as its fields, read back by `Turn`."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def index_entry(session_id: str, turn_id: int, automatic: bool) -> bytes:

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tito_addon.chat_images import ImageSpan
 from tito_addon.sessions.message_keys import MessageKey, reasoning_matches
 from tito_addon.sessions.turn_entity import RecordedTurn, Turn
 
@@ -99,6 +100,15 @@ class TurnNode:
             out.extend(node.turn.prompt_added_ids)
             out.extend(node.turn.completion_ids)
         return out.tolist()
+
+    def image_spans(self) -> list[ImageSpan]:
+        """The images of its whole sequence, in order (most sequences hold none: a walk over tuples)."""
+        spans: list[ImageSpan] = []
+        node: TurnNode | None = self
+        while node is not None:
+            spans[:0] = node.turn.images
+            node = node.parent
+        return spans
 
     def reasoning_compatible(self, reasonings: Sequence[str | None], start: int) -> bool:
         stored = self.turn.reasoning

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tito_addon.chat_images import ImageSpan
 from tito_addon.sessions.message_keys import MessageKey
 
 
@@ -45,10 +46,16 @@ class Turn:
     weight_version: str | None = None  # the weights that sampled it, where reported (a child on others is flagged)
     # How many of its sequence's first positions its record chain holds MoE routes for (its child asks from there).
     routed_experts_through: int | None = None
+    # The images its prompt added, each with the run of pad ids it became (offsets from its sequence's first id).
+    images: tuple[ImageSpan, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_added_ids", id_array(self.prompt_added_ids))
         object.__setattr__(self, "completion_ids", id_array(self.completion_ids))
+        if not self.images:
+            object.__setattr__(self, "images", ())
+        elif not all(isinstance(image, ImageSpan) for image in self.images):
+            object.__setattr__(self, "images", tuple(image_span(image) for image in self.images))
         if not self.chat_template_kwargs:
             object.__setattr__(self, "chat_template_kwargs", None)
 
@@ -63,6 +70,14 @@ class Turn:
 
     def with_values(self, **changes: Any) -> Turn:
         return dataclasses.replace(self, **changes)
+
+
+def image_span(value: Any) -> ImageSpan:
+    """An image span from its record line's or a shared store's form (a model with its fields, or their dict)."""
+    if isinstance(value, ImageSpan):
+        return value
+    fields = value if isinstance(value, dict) else value.model_dump()
+    return ImageSpan(**{name: fields[name] for name in ImageSpan.__slots__})  # type: ignore[attr-defined]
 
 
 #: The fields a turn's record line carries under their own names, in `Turn`'s order.

@@ -97,7 +97,7 @@ class SessionRecords:
 
         def record(session_id: str, turn_id: int) -> Turn:
             done = build(session_id, turn_id)
-            self.records.append_turn(session_id, done.fields, done.routes)
+            self.records.append_turn(session_id, done.fields, done.routes, done.images)
             written.append(done)
             return done.turn
 

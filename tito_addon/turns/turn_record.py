@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -14,12 +15,14 @@ import orjson
 from tito_addon.backends.backend_protocol import BackendResult
 from tito_addon.backends.expert_routes import TurnRoutes
 from tito_addon.canonical_chat import ChatMessage
+from tito_addon.chat_images import ChatImage
 from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
 from tito_addon.records.stored_turns import turn_of
 from tito_addon.sessions.message_keys import message_key
 from tito_addon.sessions.turn_entity import Turn
 from tito_addon.turns.episode_places import record_fields
+from tito_addon.turns.prompt_images import added_spans
 from tito_addon.turns.turn_types import PreparedTurn
 
 SAMPLING_KEYS = frozenset({
@@ -82,6 +85,7 @@ class CompletedTurn:
     fields: dict[str, Any]  # the line's fields (`TurnRecord.line_fields`), for the line and for the flow metadata
     turn: Turn
     routes: bytes | None = None  # its MoE routes' rows, kept beside the line (`fields["routed_experts"]` says how)
+    images: tuple[ChatImage, ...] = ()  # the images its prompt added, kept in the image store (`fields["images"]`)
 
 
 def other_weights(parent: str | None, version: str | None) -> str | None:
@@ -114,6 +118,7 @@ def completed_turn(
     asked = SAMPLING_KEYS.intersection(prepared.agent.chat_body)
     dumped = request.model_dump(mode="json", include=asked) if asked else {}
     first_appended = len(prepared.keys) - len(prepared.appended)
+    parent_end = parent.end_len if parent is not None else 0
     # The line is built as `TurnRecord.line_fields` would give it, then validated as a TurnRecord (what every
     # reader does with it), not dumped from one: a model and its dump cost twice the validation.
     fields = without_defaults({
@@ -157,6 +162,7 @@ def completed_turn(
         "completion_budget": completion_budget,
         "served_model": result.extra.get("served_model"),
         **routes_fields(result.routes),
+        "images": [dataclasses.asdict(span) for span in added_spans(prepared.piece, parent_end)] or None,
         **record_fields(place, episode),
         "tokenizer": {
             "name": engine.tokenizer_name,
@@ -169,7 +175,9 @@ def completed_turn(
     message_end = (parent.message_end if parent else 0) + len(segment_keys)
     turn = turn_of(line, message_end, segment_keys, assistant.reasoning_text())
     rows = result.routes.rows() if result.routes is not None else None
-    return CompletedTurn(session_id, turn_id, fields, turn, rows.array.tobytes() if rows is not None else None)
+    images = tuple(placed.part.image for placed in prepared.piece.images if placed.part.image is not None)
+    routes = rows.array.tobytes() if rows is not None else None
+    return CompletedTurn(session_id, turn_id, fields, turn, routes, images)
 
 
 def routes_fields(routes: TurnRoutes | None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from tito_addon.backends.upstream_headers import forwarded_headers, with_router_
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.engine.prompt_ids import EncodedPrefixes, PromptIds
 from tito_addon.engine.token_engine import TokenEngine
+from tito_addon.engine.tokenizer_loading import sampling_defaults
 from tito_addon.protocols.agent_api import AgentApi, ReplyContext, Responder, Route
 from tito_addon.protocols.compaction_items import COMPACT_EDIT
 from tito_addon.protocols.http_reply import HttpReply, json_reply
@@ -39,6 +40,7 @@ from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.turns.completion_budget import fit_completion_budget
 from tito_addon.turns.episode_places import EpisodePlace, Follows, continuation_place, interrupted_call
 from tito_addon.turns.live_stream import LiveStream
+from tito_addon.turns.prompt_images import prompt_images
 from tito_addon.turns.session_records import SessionRecords
 from tito_addon.turns.turn_replies import error_reply
 from tito_addon.turns.turn_run import LineContext, TurnRun, TurnsInFlight
@@ -99,6 +101,7 @@ class TurnService:
         warm_apis: Sequence[AgentApi] = (),
         in_flight: TurnsInFlight | None = None,
         routed_experts: RoutesWanted | None = None,
+        images_max: int = 100,
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
         request naming a session its driver closed gets: `refuse` (410) or a `new` tree. `router_key`: the header an
@@ -106,6 +109,10 @@ class TurnService:
         `engines`: a fixed engine list (no router), each session's turns on the engine its id hashes to.
         `routed_experts`: ask the backend for every turn's MoE routes (of a model of that shape, where known)."""
         self.routed_experts = routed_experts
+        self.images_max = images_max
+        # The model's recommended sampling params, for backend calls whose server does not apply them (sglang's
+        # /generate, where its chat endpoint would).
+        self.sampling_defaults = sampling_defaults(engine.tokenizer_name)
         self.record_message_text = record_message_text
         self.in_flight = in_flight if in_flight is not None else TurnsInFlight()
         # Signs what agents echo back (thinking signatures, encrypted reasoning); a random key when the proxy
@@ -293,6 +300,7 @@ class TurnService:
             group=group,
             place=place,
             link_scope=parsed.link_scope,
+            images=prompt_images(parent, piece, messages, self.images_max),
         )
 
     async def _whole(self, prepared: PreparedTurn, headers: dict[str, str], base_url: str) -> HttpReply:
@@ -360,6 +368,8 @@ class TurnService:
             self.output_text,
             FailoverLog.for_session(self.engines, session_id),
             self.routes_asked(prepared),
+            prepared.images,
+            self.sampling_defaults,
         )
 
     def routes_asked(self, prepared: PreparedTurn) -> RoutesAsked | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage, ChatRequest
+from tito_addon.chat_images import PromptImage
 from tito_addon.engine.prompt_ids import PromptIds
 from tito_addon.engine.token_engine import PromptPiece
 from tito_addon.protocols.agent_api import AgentRequest, Route
@@ -63,6 +64,8 @@ class PreparedTurn:
     # Its place in its episode, and where its commit is remembered for later roots to link to.
     place: EpisodePlace = EpisodePlace(None)
     link_scope: str = ""
+    # Every image of its prompt with its bytes and place (`prompt_images`): what the backend is sent.
+    images: tuple[PromptImage, ...] = ()
 
     @functools.cached_property
     def new_session_id(self) -> str:

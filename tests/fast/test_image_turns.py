@@ -1,0 +1,299 @@
+"""Images through the proxy, token-exact: the openai SDK -> a real mitmdump (`tito_model_family=qwen2.5-vl`) -> a
+vision-language engine replica that loads each image with PIL and counts it with transformers' own Qwen2-VL image
+processor (vLLM 0.32 and 0.24: render answers `features`, generate takes them).
+
+A screenshot loop: every turn the agent sends a new screenshot. Each turn's prompt must be the stored prompt and
+completion plus only the new messages' ids, with each image's pad expanded where the engine expands it; the engine must
+get every image of the history, each where the proxy's ids hold it; the records name each image once.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from PIL import Image
+from support.basics import tokenizer_path
+from support.proxy_harness import Mitmdump, post
+
+from tito_addon.engine.vision_tokens import QWEN2_5_VL
+from tito_addon.records.record_reader import read_session
+from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
+from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+
+IMAGE_PAD = 151655
+TEMPLATE = Path(__file__).resolve().parents[2] / "tito_addon/engine/chat_templates/qwen2_5_vl_tools.jinja"
+BACKENDS = ["sglang-0.5.23", "vllm-0.32.0", "vllm-0.24.0"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "click", "description": "Click at a point.", "parameters": {"type": "object"}},
+    }
+]
+
+
+def png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(out, format="PNG")
+    return out.getvalue()
+
+
+def shot_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def hf_tokens(data: bytes) -> int:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 3136, "longest_edge": 12845056}, patch_size=14, merge_size=2
+    )
+    grid = processor(images=[Image.open(io.BytesIO(data))])["image_grid_thw"][0]
+    return int(grid[0] * grid[1] * grid[2]) // 4
+
+
+class Stack:
+    def __init__(self, replica, proxy: Mitmdump, record_dir: Path) -> None:
+        self.replica, self.proxy, self.record_dir = replica, proxy, record_dir
+
+    def client(self, session: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0
+        )
+
+    def lines(self, session: str) -> list:
+        recorded = read_session(self.record_dir, session)
+        return recorded.turns if recorded is not None else []
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stack(request, tmp_path_factory):
+    kind, version = request.param.split("-")
+    record_dir = tmp_path_factory.mktemp(f"rec-{request.param}")
+    options = {"tito_append_roles": "tool,user", "tito_images_max": "3"}
+    if kind == "vllm":
+        replica_thread = VllmReplicaThread(
+            VllmReplicaConfig(
+                tokenizer=tokenizer_path("qwen2.5"),
+                version=version,
+                vision="qwen2.5-vl",
+                chat_template=str(TEMPLATE),
+                served_model_name="tiny-qwen2.5-vl",
+            )
+        )
+        options["tito_backend_kind"] = "vllm"
+    else:
+        replica_thread = ReplicaThread(
+            ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), version=version, vision="qwen2.5-vl")
+        )
+    with (
+        replica_thread as replica,
+        Mitmdump(
+            replica.url,
+            tokenizer=tokenizer_path("qwen2.5"),
+            family="qwen2.5-vl",
+            record_dir=record_dir,
+            cwd=record_dir.parent,
+            options=options,
+        ) as proxy,
+    ):
+        yield Stack(replica, proxy, record_dir)
+
+
+def test_a_screenshot_loop_is_token_exact_and_gives_the_engine_every_image(stack: Stack) -> None:
+    client = stack.client("shots")
+    shots = [png(640, 480, (200, 0, 0)), png(37, 23, (0, 200, 0)), png(1288, 728, (0, 0, 200))]
+    messages: list[dict] = [
+        {"role": "system", "content": "You operate a computer."},
+        {"role": "user", "content": [{"type": "text", "text": "Open the settings."}, shot_part(shots[0])]},
+    ]
+    before = len(stack.replica.generated())
+    for step in range(3):
+        reply = client.chat.completions.create(model="tiny-qwen2.5-vl", messages=messages, tools=TOOLS, max_tokens=200)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if step == 2:
+            break
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"clicked {step}"})
+        messages.append({"role": "user", "content": [{"type": "text", "text": "Now:"}, shot_part(shots[step + 1])]})
+    generated = stack.replica.generated()[before:]
+    turns = stack.lines("shots")
+    assert len(generated) == len(turns) == 3
+    sequence: list[int] = []
+    for index, (engine_run, line) in enumerate(zip(generated, turns, strict=True)):
+        # Token-exact and chained: each prompt is the previous prompt and completion plus only the new ids.
+        assert line.parent_turn_id == (turns[index - 1].turn_id if index else None)
+        prompt = sequence + line.prompt_added_ids
+        assert engine_run["prompt_ids"] == prompt
+        assert engine_run["completion_ids"] == line.completion_ids
+        if index == 0 and line.backend_kind == "vllm":  # its own render agrees (later ones drift: the replica
+            # samples non-canonical splits)
+            assert line.render_skew is not None and line.render_skew["equal"] is True
+        # The engine got every image of the history, each where the proxy's ids hold it.
+        expected = [hashlib.sha256(shot).hexdigest() for shot in shots[: index + 1]]
+        assert [image["sha256"] for image in engine_run["images"]] == expected
+        for image, shot in zip(engine_run["images"], shots, strict=False):
+            assert image["length"] == hf_tokens(shot)
+            assert prompt[image["offset"] : image["offset"] + image["length"]] == [IMAGE_PAD] * image["length"]
+            assert prompt[image["offset"] - 1] == 151652 and prompt[image["offset"] + image["length"]] == 151653
+        # The record names the images the turn added, where they lie in the session's sequence.
+        [added] = line.images
+        assert (added.sha256, added.offset, added.length) == (
+            expected[-1],
+            engine_run["images"][-1]["offset"],
+            engine_run["images"][-1]["length"],
+        )
+        assert (added.format, added.width, added.height) == ("png", *Image.open(io.BytesIO(shots[index])).size)
+        sequence = prompt + line.completion_ids
+    # No pixels in a record line: images are named by their digest, and kept once each in the image store, as sent,
+    # though the agent sent the first one three times.
+    raw = "".join(path.read_text() for path in stack.record_dir.glob("shots*.jsonl"))
+    assert base64.b64encode(shots[0][:30]).decode()[:20] not in raw
+    for shot in shots:
+        assert (stack.record_dir / "images" / f"{hashlib.sha256(shot).hexdigest()}.png").read_bytes() == shot
+    assert len([p for p in (stack.record_dir / "images").iterdir() if p.name.endswith(".png")]) == len(shots)
+
+
+@pytest.mark.parametrize(
+    ("part", "status", "why"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/shot.png"}}, 400, "fetches nothing"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, 400, "does not decode"),
+        ({"type": "image_url", "image_url": {"url": "data:image/tiff;base64,SUkqAA=="}}, 400, "not an image"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, 400, "not supported"),
+    ],
+)
+def test_an_image_the_engine_could_not_read_is_refused_before_anything_is_sent(
+    stack: Stack, part: dict, status: int, why: str
+) -> None:
+    received = len(stack.replica.received())
+    body = {
+        "model": "tiny-qwen2.5-vl",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}],
+    }
+    reply = post(stack.proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": "refused"})
+    assert reply.status_code == status, reply.text
+    assert why in json.loads(reply.text)["error"]["message"]
+    assert len(stack.replica.received()) == received
+    assert stack.lines("refused") == []
+
+
+def jpeg_turned(width: int, height: int, orientation: int) -> bytes:
+    """A JPEG stored `width`×`height` whose EXIF says to turn it: displayed `height`×`width` for 5-8."""
+    image = Image.new("RGB", (width, height), (120, 60, 30))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    image.save(out, format="JPEG", exif=exif)
+    return out.getvalue()
+
+
+def test_a_streamed_turn_with_a_turned_jpeg_is_the_turn_the_engine_ran(stack: Stack) -> None:
+    """The agent asks for a stream; the JPEG's EXIF turns it (stored 300×100, shown 100×300), so its token count
+    is that of the displayed size on both sides, or the engine's expansion would not be the proxy's."""
+    shot = jpeg_turned(300, 100, 6)
+    client = stack.client("streamed")
+    before = len(stack.replica.generated())
+    part = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(shot).decode()}}
+    stream = client.chat.completions.create(
+        model="tiny-qwen2.5-vl",
+        messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}],
+        stream=True,
+        max_tokens=120,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    [line] = stack.lines("streamed")
+    [engine_run] = stack.replica.generated()[before:]
+    assert engine_run["prompt_ids"] == line.prompt_added_ids
+    assert engine_run["completion_ids"] == line.completion_ids
+    assert text == (line.assistant_message.get("content") or "")
+    [image] = line.images
+    assert (image.format, image.width, image.height) == ("jpeg", 100, 300)
+    assert image.length == hf_tokens(shot) == engine_run["images"][0]["length"]
+
+
+def test_more_images_than_the_proxy_allows_are_refused(stack: Stack) -> None:
+    """`tito_images_max` is 3 here (the screenshot loop's three)."""
+    parts = [shot_part(png(8, 8, (i, i, i))) for i in range(4)]
+    received = len(stack.replica.generated())
+    body = {"model": "tiny-qwen2.5-vl", "messages": [{"role": "user", "content": parts}]}
+    reply = post(stack.proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": "many"})
+    assert reply.status_code == 400, reply.text
+    assert "holds 4 images, over the proxy's limit of 3 (tito_images_max)" in json.loads(reply.text)["error"]["message"]
+    assert len(stack.replica.generated()) == received and stack.lines("many") == []
+
+
+def one_image_turn(replica, options: dict[str, str], tmp_path: Path, session: str) -> tuple[int, dict, list]:
+    """A turn with one screenshot through a proxy of its own: the status, the error body, what was recorded."""
+    record_dir = tmp_path / "rec"
+    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
+    with replica, Mitmdump(replica.url, cwd=tmp_path, options=options, **settings) as proxy:
+        body = {
+            "model": "tiny-qwen2.5-vl",
+            "messages": [
+                {"role": "user", "content": [shot_part(png(640, 480, (9, 9, 9))), {"type": "text", "text": "?"}]}
+            ],
+        }
+        reply = post(proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": session})
+        recorded = read_session(record_dir, session)
+    return reply.status_code, json.loads(reply.text), recorded.turns if recorded is not None else []
+
+
+def test_an_sglang_too_old_for_exact_images_is_named_and_nothing_is_sent(tmp_path: Path) -> None:
+    replica = ReplicaThread(ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), version="0.5.19", vision="qwen2.5-vl"))
+    status, body, turns = one_image_turn(replica, {}, tmp_path, "old")
+    assert status == 400
+    assert (
+        "the backend is sglang 0.5.19: token-exact turns with images need sglang >= 0.5.20" in body["error"]["message"]
+    )
+    assert replica.generated() == [] and turns == []
+
+
+def test_sglangs_silent_retokenizing_fallback_is_caught_and_nothing_is_recorded(tmp_path: Path) -> None:
+    """sglang re-tokenizes when its exact path fails, logging only a warning. A first turn's canonical ids survive
+    that; the second turn's prompt holds the model's own non-canonical splits (the replica samples some), which
+    re-tokenizing merges: the ids sglang reports it ran on are not the proxy's, and that turn is refused."""
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl", exact_images=False)
+    record_dir = tmp_path / "rec"
+    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
+    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=tmp_path, **settings) as proxy:
+        client = openai.OpenAI(
+            base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": "fallback"}, max_retries=0
+        )
+        messages = [{"role": "user", "content": [shot_part(png(64, 64, (1, 2, 3))), {"type": "text", "text": "Go."}]}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=200)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model="m", messages=messages, max_tokens=200)
+        recorded = read_session(record_dir, "fallback")
+    assert refused.value.status_code == 502
+    assert "fell back to re-tokenizing" in str(refused.value)
+    assert len(replica.generated()) == 2
+    assert recorded is not None and len(recorded.turns) == 1
+
+
+def test_an_engine_that_counts_an_image_otherwise_is_refused(tmp_path: Path) -> None:
+    """The proxy told of other pixel bounds than the server's processor: vLLM's render expands the image to another
+    count, and the turn is refused before generate (its embeddings would land on the wrong positions)."""
+    config = VllmReplicaConfig(
+        tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl", chat_template=str(TEMPLATE),
+        served_model_name="tiny-qwen2.5-vl",
+    )  # fmt: skip
+    replica = VllmReplicaThread(config)
+    options = {"tito_backend_kind": "vllm", "tito_image_max_pixels": str(256 * 28 * 28)}
+    status, body, turns = one_image_turn(replica, options, tmp_path, "bounds")
+    assert status == 502
+    counted = QWEN2_5_VL.with_pixels(None, 256 * 28 * 28).image_tokens(640, 480)
+    assert counted < 391
+    assert (
+        f"vLLM expanded image 1 (640×480) to 391 tokens where the model family counts {counted}"
+        in body["error"]["message"]
+    )
+    assert replica.generated() == [] and turns == []
+
