@@ -297,3 +297,102 @@ def test_an_engine_that_counts_an_image_otherwise_is_refused(tmp_path: Path) -> 
     )
     assert replica.generated() == [] and turns == []
 
+
+def check_images(stack: Stack, session: str, shots: list[bytes], before: int) -> None:
+    """Every turn of `session` ran on the proxy's ids with every image so far, each where its ids hold it, and each
+    image is kept once on disk."""
+    generated = stack.replica.generated()[before:]
+    turns = stack.lines(session)
+    assert len(generated) == len(turns)
+    sequence: list[int] = []
+    digests = [hashlib.sha256(shot).hexdigest() for shot in shots]
+    for engine_run, line in zip(generated, turns, strict=True):
+        prompt = sequence + line.prompt_added_ids
+        assert engine_run["prompt_ids"] == prompt and engine_run["completion_ids"] == line.completion_ids
+        seen = [image["sha256"] for image in engine_run["images"]]
+        assert seen == digests[: len(seen)]
+        for image in engine_run["images"]:
+            assert prompt[image["offset"] : image["offset"] + image["length"]] == [IMAGE_PAD] * image["length"]
+        sequence = prompt + line.completion_ids
+    assert sorted(img.sha256 for line in turns for img in line.images or []) == sorted(digests)
+    for digest, shot in zip(digests, shots, strict=True):
+        assert (stack.record_dir / "images" / f"{digest}.png").read_bytes() == shot
+
+
+def test_anthropic_images_in_a_message_and_in_tool_results(stack: Stack) -> None:
+    """As Claude Code's Read tool sends a screenshot: a tool_result holding one image block and no text."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=stack.proxy.url, api_key="k", default_headers={"x-session-id": "claude"})
+    shots = [png(200, 120, (1, 100, 1)), png(90, 300, (100, 1, 1))]
+
+    def block(data: bytes) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(data).decode()}}  # fmt: skip
+
+    before = len(stack.replica.generated())
+    tools = [{"name": "click", "description": "Click.", "input_schema": {"type": "object"}}]
+    messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, block(shots[0])]}]
+    first = client.messages.create(model="tiny-qwen2.5-vl", max_tokens=200, messages=messages, tools=tools)
+    messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
+    calls = [b for b in first.content if b.type == "tool_use"]
+    results = [{"type": "tool_result", "tool_use_id": c.id, "content": [block(shots[1])]} for c in calls]
+    messages.append({"role": "user", "content": results or [block(shots[1])]})
+    client.messages.create(model="tiny-qwen2.5-vl", max_tokens=200, messages=messages, tools=tools)
+    check_images(stack, "claude", shots, before)
+
+
+def test_responses_input_images_and_an_image_in_a_function_output(stack: Stack) -> None:
+    client = stack.client("responses")
+    shots = [png(120, 80, (7, 7, 70)), png(64, 64, (70, 7, 7))]
+
+    def url(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    before = len(stack.replica.generated())
+    tools = [{"type": "function", "name": "click", "parameters": {"type": "object"}}]
+    items: list[dict] = [
+        {"role": "user", "content": [{"type": "input_text", "text": "See:"},
+                                     {"type": "input_image", "image_url": url(shots[0]), "detail": "auto"}]}
+    ]  # fmt: skip
+    first = client.responses.create(model="tiny-qwen2.5-vl", input=items, tools=tools, max_output_tokens=200)
+    items += [item.model_dump(exclude_none=True) for item in first.output if item.type != "reasoning"]
+    calls = [item for item in first.output if item.type == "function_call"]
+    if calls:
+        output = [{"type": "input_image", "image_url": url(shots[1])}]
+        items += [{"type": "function_call_output", "call_id": calls[0].call_id, "output": output}]
+    else:
+        items += [{"role": "user", "content": [{"type": "input_image", "image_url": url(shots[1]), "detail": "auto"}]}]
+    client.responses.create(model="tiny-qwen2.5-vl", input=items, tools=tools, max_output_tokens=200)
+    check_images(stack, "responses", shots, before)
+
+
+def test_gemini_inline_data_in_a_content_and_in_a_function_response(stack: Stack) -> None:
+    from google import genai
+    from google.genai import types
+
+    options = types.HttpOptions(
+        base_url=stack.proxy.url, api_version="v1beta", retry_options=types.HttpRetryOptions(attempts=1),
+        headers={"x-session-id": "gemini"},
+    )  # fmt: skip
+    client = genai.Client(api_key="k", http_options=options)
+    shots = [png(150, 150, (3, 3, 3)), png(40, 80, (9, 90, 9))]
+    tool = types.Tool(function_declarations=[types.FunctionDeclaration(name="click", description="Click.")])
+    config = types.GenerateContentConfig(tools=[tool], max_output_tokens=200)
+    before = len(stack.replica.generated())
+    contents: list = [
+        types.Content(
+            role="user", parts=[types.Part(text="Here:"), types.Part.from_bytes(data=shots[0], mime_type="image/png")]
+        )
+    ]
+    first = client.models.generate_content(model="tiny-qwen2.5-vl", contents=contents, config=config)
+    contents.append(first.candidates[0].content)
+    calls = [part.function_call for part in first.candidates[0].content.parts if part.function_call]
+    image = types.Part.from_bytes(data=shots[1], mime_type="image/png")
+    if calls:
+        answer = types.Part.from_function_response(name=calls[0].name, response={"output": "clicked"})
+        contents.append(types.Content(role="user", parts=[answer, image]))
+    else:
+        contents.append(types.Content(role="user", parts=[image]))
+    client.models.generate_content(model="tiny-qwen2.5-vl", contents=contents, config=config)
+    check_images(stack, "gemini", shots, before)

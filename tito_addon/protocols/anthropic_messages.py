@@ -5,14 +5,16 @@ Request -> canonical chat messages:
   `x-anthropic-billing-header` is vendor billing metadata, not conversation, and is dropped as vLLM's own
   `/v1/messages` drops it, so the model sees what it would see there. `role: "system"` entries inside `messages`
   (Claude Code's environment block) stay system messages in place.
-- A user message's `tool_result` blocks become tool messages, in order (string or text-block content; `is_error`
-  is not rendered, as in vLLM), then its text blocks one user message. A lone text block and a plain string are the
-  same message; `cache_control` markers are not part of a message.
+- A user message's `tool_result` blocks become tool messages, in order (string, text or image blocks; `is_error`
+  is not rendered, as in vLLM), then its text and image blocks one user message. A lone text block and a plain
+  string are the same message; `cache_control` markers are not part of a message. An image is taken inline only
+  (`source.type: "base64"`; a URL or a file is a 400), and only by a vision-language model family.
 - An assistant message: `thinking` blocks are its reasoning, text blocks its content, `tool_use` blocks its tool
   calls (id, name, `input` as the arguments object). `redacted_thinking` cannot be read: it is left out of the
-  prompt and the record says so. Images are refused (400): no supported model family reads them.
+  prompt and the record says so. An image there is a 400: the API has none in assistant messages.
 - Identity (what must repeat for a request to extend a stored turn) is therefore role, text, tool-call id, name
-  and arguments as a JSON value, tool-result id and text; reasoning follows the session tree's reasoning rule.
+  and arguments as a JSON value, tool-result id and text, each image's bytes; reasoning follows the session tree's
+  reasoning rule.
 
 Reply: `msg_…` id, blocks thinking (with our signature), text, tool_use (`toolu_…` ids, minted here and committed
 with the turn, so the echoed history matches), `stop_reason` from the finish reason and the matched stop

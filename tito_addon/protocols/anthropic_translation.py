@@ -24,6 +24,7 @@ from tito_addon.protocols.anthropic_models import (
     ToolUseBlock,
 )
 from tito_addon.protocols.compaction_items import COMPACTION_PURPOSE
+from tito_addon.protocols.image_parts import image_url_part, inline_image_part, not_inline
 from tito_addon.protocols.translated_api import ChatTranslation, ItemTranslation
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import BadRequest
@@ -56,9 +57,26 @@ def _text_of(blocks: list[TextBlock]) -> list[dict[str, str]]:
     return [{"type": "text", "text": block.text} for block in blocks]
 
 
-def _no_images(blocks: list[Any], where: str) -> None:
-    if any(isinstance(block, ImageBlock) for block in blocks):
-        raise BadRequest(f"{where} holds an image: the served model family reads text only; nothing was forwarded")
+def image_part(block: ImageBlock, where: str) -> dict[str, Any]:
+    """An image block (`source`: base64 only) as the canonical image part."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64":
+        return inline_image_part(source.get("data"), source.get("media_type"), where)
+    if kind == "url":
+        return image_url_part(source.get("url"))  # refused by the canonical form, in its words
+    raise not_inline(where, f"a {kind!r} source")
+
+
+def _parts(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    """Text and image blocks, in order, as canonical parts."""
+    parts = []
+    for block in blocks:
+        if isinstance(block, ImageBlock):
+            parts.append(image_part(block, where))
+        else:
+            parts.append({"type": "text", "text": block.text})
+    return parts
 
 
 class MessagesTranslation(ChatTranslation):
@@ -77,11 +95,10 @@ class MessagesTranslation(ChatTranslation):
             self.add(item, {"role": "system", "content": _text_of(kept)})
 
     def blocks(self, item: int, role: str, content: str | list[Any], where: str) -> list[Any] | None:
-        """A message's blocks (None: a plain string, added as the message it is); images are refused."""
+        """A message's blocks (None: a plain string, added as the message it is)."""
         if isinstance(content, str):
             self.add(item, {"role": role, "content": content})
             return None
-        _no_images(content, where)
         return content
 
     def compaction_summary(self, block: CompactionBlock, where: str) -> str:
@@ -95,20 +112,22 @@ class MessagesTranslation(ChatTranslation):
         return opened[0]
 
     def user(self, item: int, content: str | list[Any], where: str) -> None:
-        texts: list[TextBlock] = []
+        """Tool results (an image in one stays in its tool message), then the text and images, in order."""
+        shown: list[Any] = []
         for block in self.blocks(item, "user", content, where) or []:
             if isinstance(block, ToolResultBlock):
-                result = block.content
-                if isinstance(result, list):
-                    _no_images(result, f"{where} tool_result {block.tool_use_id}")
+                result: Any = block.content
+                if isinstance(result, list) and any(isinstance(part, ImageBlock) for part in result):
+                    result = _parts(result, f"{where} tool_result {block.tool_use_id}")
+                elif isinstance(result, list):
                     result = "\n".join(part.text for part in result)
                 self.add(item, {"role": "tool", "tool_call_id": block.tool_use_id, "content": result or ""})
-            elif isinstance(block, TextBlock):
-                texts.append(block)
+            elif isinstance(block, TextBlock | ImageBlock):
+                shown.append(block)
             else:
                 raise BadRequest(f"{where}: a user message cannot hold a {block.type} block")
-        if texts:
-            self.add(item, {"role": "user", "content": _text_of(texts)})
+        if shown:
+            self.add(item, {"role": "user", "content": _parts(shown, where)})
 
     def assistant(self, item: int, content: str | list[Any], where: str) -> None:
         blocks = self.blocks(item, "assistant", content, where)
@@ -135,6 +154,8 @@ class MessagesTranslation(ChatTranslation):
                 self.dropped.append(f"{where}: a redacted_thinking block (unreadable, left out of the prompt)")
             elif isinstance(block, TextBlock):
                 texts.append(block)
+            elif isinstance(block, ImageBlock):
+                raise BadRequest(f"{where}: an assistant message cannot hold an image; nothing was forwarded")
             elif isinstance(block, ToolUseBlock):
                 calls.append(
                     {

@@ -57,37 +57,66 @@ class FunctionCall(_Open):
     args: dict[str, Any] | None = None
 
 
+# A part's members that are media by reference or hosted-tool output: nothing the proxy can read, so each is refused.
+MEDIA_MEMBERS = ("fileData", "executableCode", "codeExecutionResult", "videoMetadata")
+KINDS = ("text", "functionCall", "functionResponse", "inlineData")
+
+
+class InlineData(_Open):
+    """An image inline: its media type and base64 bytes (standard or URL-safe)."""
+
+    mimeType: StrictStr  # noqa: N815
+    data: StrictStr
+
+
+def _media_refused(value: dict[str, Any]) -> None:
+    given = {name for name in value if value[name] is not None}
+    media = [name for name in MEDIA_MEMBERS if name in given or _snake(name) in given]
+    if media:
+        reason = "given by reference (send it inline)" if media[0] == "fileData" else "not read by the proxy"
+        raise ValueError(f"a {media[0]} part: {reason}; nothing was forwarded")
+
+
+class FunctionResponsePart(_Open):
+    """A part of a function response (Gemini 3's multimodal results): an image inline."""
+
+    inlineData: InlineData  # noqa: N815
+
+    @model_validator(mode="before")
+    @classmethod
+    def _inline_only(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            _media_refused(value)
+        return value
+
+
 class FunctionResponse(_Open):
     id: Annotated[StrictStr, Field(max_length=256)] | None = None
     name: StrictStr = Field(min_length=1)
     response: dict[str, Any] | None = None
-
-
-# A part's members that are media or hosted-tool output: no served model family reads them, so each is refused.
-MEDIA_MEMBERS = ("inlineData", "fileData", "executableCode", "codeExecutionResult", "videoMetadata")
+    parts: list[FunctionResponsePart] | None = None
 
 
 class Part(_Open):
-    """One part: exactly one of text, functionCall or functionResponse (media is refused by name)."""
+    """One part: exactly one of text, functionCall, functionResponse or inlineData (other media refused by name)."""
 
     text: StrictStr | None = None
     thought: StrictBool | None = None
     thoughtSignature: Annotated[StrictStr, Field(max_length=MAX_SIGNATURE)] | None = None  # noqa: N815
     functionCall: FunctionCall | None = None  # noqa: N815
     functionResponse: FunctionResponse | None = None  # noqa: N815
+    inlineData: InlineData | None = None  # noqa: N815
 
     @model_validator(mode="before")
     @classmethod
     def _one_kind(cls, value: Any) -> Any:
         if not isinstance(value, dict):
             return value
+        _media_refused(value)
         given = {name for name in value if value[name] is not None}
-        media = [name for name in MEDIA_MEMBERS if name in given or _snake(name) in given]
-        if media:
-            raise ValueError(f"a {media[0]} part: the served model family reads text only; nothing was forwarded")
-        kinds = [n for n in ("text", "functionCall", "functionResponse") if n in given or _snake(n) in given]
+        kinds = [n for n in KINDS if n in given or _snake(n) in given]
         if len(kinds) != 1:
-            raise ValueError("a part holds exactly one of text, functionCall or functionResponse")
+            raise ValueError("a part holds exactly one of text, functionCall, functionResponse or inlineData")
         return value
 
 

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from tito_addon.protocols.gemini_models import Content, FunctionResponse, Part
+from tito_addon.protocols.image_parts import inline_image_part
 from tito_addon.protocols.translated_api import ChatTranslation, ItemTranslation
 from tito_addon.protocols.turn_refs import TurnSigner
 from tito_addon.tito_errors import BadRequest
@@ -63,6 +64,18 @@ def response_text(response: FunctionResponse) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def tool_content(response: FunctionResponse, where: str) -> str | list[dict[str, Any]]:
+    """A function response as a tool message's content: its text, then its images (Gemini 3 `parts`) where any."""
+    text = response_text(response)
+    if not response.parts:
+        return text
+    images = [
+        inline_image_part(part.inlineData.data, part.inlineData.mimeType, f"{where}.functionResponse.parts.{index}")
+        for index, part in enumerate(response.parts)
+    ]
+    return [{"type": "text", "text": text}, *images]
+
+
 def arguments_text(args: dict[str, Any] | None) -> str:
     return json.dumps(args or {}, ensure_ascii=False)
 
@@ -84,6 +97,9 @@ class ContentsTranslation(ChatTranslation):
     """Gemini's system instruction and contents as canonical messages."""
 
     def system(self, item: int, parts: list[Part]) -> None:
+        if any(part.inlineData is not None for part in parts):
+            raise BadRequest("systemInstruction: an image there is not read (send it in a user content); nothing was "
+                             "forwarded")  # fmt: skip
         texts = [{"type": "text", "text": part.text} for part in parts if part.text is not None]
         if texts:
             self.add(item, {"role": "system", "content": texts})
@@ -101,7 +117,7 @@ class ContentsTranslation(ChatTranslation):
 
         A response without an id (pi sends none for Gemini models) answers the call at its place among the `calls`
         before it when that call has its name, and takes its id; else it is named by its function's name."""
-        texts: list[dict[str, str]] = []
+        texts: list[dict[str, Any]] = []
         answered: dict[str, Part] = {}
         unnamed = 0  # responses without an id so far
         for position, part in enumerate(parts):
@@ -121,9 +137,12 @@ class ContentsTranslation(ChatTranslation):
                     paired = calls[unnamed] if unnamed < len(calls) else None
                     call_id = paired[0] if paired is not None and paired[1] == response.name else response.name
                     unnamed += 1
-                self.add(item, {"role": "tool", "tool_call_id": call_id, "content": response_text(response)})
+                self.add(item, {"role": "tool", "tool_call_id": call_id, "content": tool_content(response, where)})
             elif part.functionCall is not None:
                 self.dropped.append(f"{where}.parts.{position}: a functionCall in a user content (left out)")
+            elif part.inlineData is not None:
+                inline = part.inlineData
+                texts.append(inline_image_part(inline.data, inline.mimeType, f"{where}.parts.{position}.inlineData"))
             elif part.text is not None and not part.thought:
                 texts.append({"type": "text", "text": part.text})
         if texts:
@@ -147,6 +166,10 @@ class ContentsTranslation(ChatTranslation):
                               "function": {"name": call.name, "arguments": arguments_text(call.args)}})  # fmt: skip
             elif part.functionResponse is not None:
                 self.dropped.append(f"{where}.parts.{position}: a functionResponse in a model content (left out)")
+            elif part.inlineData is not None:
+                raise BadRequest(
+                    f"{where}.parts.{position}: a model content cannot hold an image; nothing was forwarded"
+                )
             elif part.thought:
                 thoughts.append(part.text or "")
             else:

@@ -14,6 +14,7 @@ from typing import Any
 
 from tito_addon.canonical_chat import ChatMessage
 from tito_addon.protocols.compaction_items import COMPACTION_PURPOSE
+from tito_addon.protocols.image_parts import image_url_part, not_inline
 from tito_addon.protocols.openai_responses_models import (
     CompactionItem,
     CompactionTriggerItem,
@@ -31,17 +32,33 @@ from tito_addon.tito_errors import BadRequest
 NAMESPACE_JOIN = "__"
 
 
-def _text(parts: str | list[Any], where: str) -> str | list[dict[str, str]]:
+def _text(parts: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """Content as canonical parts: text, and images (`input_image` with a data URL; files and audio are refused)."""
     if isinstance(parts, str):
         return parts
-    out = []
+    out: list[dict[str, Any]] = []
     for part in parts:
         if isinstance(part, MediaPart):
-            raise BadRequest(
-                f"{where} holds {part.type}: the served model family reads text only; nothing was forwarded"
-            )
+            out.append(_image(part, where))
+            continue
         out.append({"type": "text", "text": part.refusal if isinstance(part, RefusalPart) else part.text})
     return out
+
+
+def _image(part: MediaPart, where: str) -> dict[str, Any]:
+    if part.type != "input_image":
+        raise BadRequest(f"{where} holds {part.type}: only text and images are read; nothing was forwarded")
+    url = getattr(part, "image_url", None)
+    if url is None:
+        raise not_inline(where, "a file_id" if getattr(part, "file_id", None) else "nothing (no image_url)")
+    return image_url_part(url)
+
+
+def _plain(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts joined as one text (as an assistant message or tool output is kept); parts where images are."""
+    if isinstance(content, str) or any(part["type"] != "text" for part in content):
+        return content
+    return "\n".join(part["text"] for part in content)
 
 
 def _joined(parts: list[Any]) -> str:
@@ -95,8 +112,10 @@ class ResponsesTranslation(ChatTranslation):
     def message(self, item: int, message: MessageItem, where: str) -> None:
         content = _text(message.content, where)
         if message.role == "assistant":
+            text = _plain(content)
+            if not isinstance(text, str):
+                raise BadRequest(f"{where}: an assistant message cannot hold an image; nothing was forwarded")
             target = self.assistant_at(item)
-            text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
             target["content"] = text if target["content"] is None else target["content"] + "\n" + text
             return
         self.assistant = None
@@ -110,9 +129,7 @@ class ResponsesTranslation(ChatTranslation):
 
     def output(self, item: int, result: FunctionCallOutputItem, where: str) -> None:
         self.assistant = None
-        content = _text(result.output, where)
-        text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
-        self.add(item, {"role": "tool", "tool_call_id": result.call_id, "content": text})
+        self.add(item, {"role": "tool", "tool_call_id": result.call_id, "content": _plain(_text(result.output, where))})
 
     def reasoning(self, item: int, reasoning: Any, where: str) -> None:
         text: str | None = None
