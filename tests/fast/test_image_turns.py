@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
+from support.tito_commands import replay_proxy, run_cli
 
 from tito_addon.engine.vision_tokens import QWEN2_5_VL
 from tito_addon.records.record_reader import read_session
@@ -396,3 +397,47 @@ def test_gemini_inline_data_in_a_content_and_in_a_function_response(stack: Stack
         contents.append(types.Content(role="user", parts=[image]))
     client.models.generate_content(model="tiny-qwen2.5-vl", contents=contents, config=config)
     check_images(stack, "gemini", shots, before)
+
+
+def test_a_screenshot_session_shows_and_replays_with_no_backend(tmp_path: Path) -> None:
+    """`show --json` names every image of each turn's prompt where its ids hold it; replay answers the same
+    screenshots with the recorded answers, and another screenshot is a miss at the message that holds it."""
+    record_dir = tmp_path / "rec"
+    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl")
+    shots = [png(100, 60, (10, 20, 30)), png(60, 100, (30, 20, 10))]
+    asked: list[list[dict]] = []
+    answers = []
+    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=tmp_path, **settings) as proxy:
+        client = openai.OpenAI(
+            base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": "shown"}, max_retries=0
+        )
+        messages: list[dict] = []
+        for shot in shots:
+            messages.append({"role": "user", "content": [shot_part(shot), {"type": "text", "text": "And now?"}]})
+            asked.append(list(messages))
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=100)
+            answers.append(reply.choices[0].message.content)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        assert len(replica.generated()) == 2
+    rows = [json.loads(line) for line in run_cli("show", str(record_dir), "--json").stdout.splitlines()]
+    for row, count in zip(rows, (1, 2), strict=True):
+        assert [image["sha256"] for image in row["images"]] == [hashlib.sha256(s).hexdigest() for s in shots[:count]]
+        for image in row["images"]:
+            span = row["prompt_ids"][image["offset"] : image["offset"] + image["length"]]
+            assert span == [IMAGE_PAD] * image["length"]
+    shown = run_cli("show", str(record_dir)).stdout
+    assert f"[image {hashlib.sha256(shots[1]).hexdigest()[:12]} 60×100]" in shown
+    with replay_proxy(record_dir, tmp_path) as proxy:
+        for messages, answer in zip(asked, answers, strict=True):
+            body = {"model": "m", "messages": messages, "max_tokens": 100}
+            reply = post(proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": "shown"})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == answer
+        other = [
+            *asked[1][:2],
+            {"role": "user", "content": [shot_part(png(60, 100, (0, 0, 0))), {"type": "text", "text": "And now?"}]},
+        ]
+        miss = post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": other})
+    assert miss.status_code == 404
+    assert miss.json()["error"]["first_differing_message"]["index"] == 2

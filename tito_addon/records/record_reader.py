@@ -24,6 +24,7 @@ from tito_addon.records.record_models import (
     TURN_SCHEMA,
     WITHDRAWN_SCHEMA,
     AnnotationRecord,
+    RecordedImage,
     SessionCloseRecord,
     TurnRecord,
     TurnWithdrawnRecord,
@@ -121,6 +122,14 @@ class SessionFile:
                 )
             ends[turn.turn_id] = prompt + turn.completion_ids
             out[turn.turn_id] = (prompt, list(turn.completion_ids))
+        return out
+
+    def sequence_images(self) -> dict[int, list[RecordedImage]]:
+        """turn_id -> every image its prompt holds (its chain's, in order), as the lines name them."""
+        out: dict[int, list[RecordedImage]] = {}
+        for turn in self.turns:  # parents first
+            inherited = out.get(turn.parent_turn_id, []) if turn.parent_turn_id is not None else []
+            out[turn.turn_id] = inherited + list(turn.images or ())
         return out
 
 

@@ -70,12 +70,13 @@ def show(argv: list[str]) -> int:
                     print(line)
                 continue
             ids = session_file.full_ids()
+            images = session_file.sequence_images()
             notes: dict[int, list[Any]] = {}
             for note in session_file.annotations:
                 if note.turn_id is not None:
                     notes.setdefault(note.turn_id, []).append(note)
             for turn in session_file.turns:
-                print(turn_json(turn, ids[turn.turn_id], notes.get(turn.turn_id, [])))
+                print(turn_json(turn, ids[turn.turn_id], notes.get(turn.turn_id, []), images[turn.turn_id]))
     except RecordError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

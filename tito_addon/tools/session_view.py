@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from tito_addon.records.record_models import AnnotationRecord, TurnRecord
+from tito_addon.records.record_models import AnnotationRecord, RecordedImage, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile
 from tito_addon.records.rollout_groups import EpisodeView, episode_views
 
@@ -52,7 +52,9 @@ def text_of(content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if isinstance(part, dict):
+            if isinstance(part, dict) and part.get("type") == "image":
+                parts.append(f"[image {str(part.get('sha256'))[:12]} {part.get('width')}×{part.get('height')}]")
+            elif isinstance(part, dict):
                 text = part.get("text")
                 parts.append(text if isinstance(text, str) else f"[{part.get('type', 'part')}]")
             else:
@@ -230,8 +232,14 @@ def session_text(session_file: SessionFile, width: int, full: bool) -> Iterator[
         yield from lines.out
 
 
-def turn_json(turn: TurnRecord, ids: tuple[list[int], list[int]], notes: list[AnnotationRecord]) -> str:
-    """`show --json`'s line for one turn: its full prompt ids, and the annotation lines written on it."""
+def turn_json(
+    turn: TurnRecord,
+    ids: tuple[list[int], list[int]],
+    notes: list[AnnotationRecord],
+    images: list[RecordedImage] | None = None,
+) -> str:
+    """`show --json`'s line for one turn: its full prompt ids, the images they hold (each file in the image store and
+    its run of pad ids), and the annotation lines written on it."""
     prompt, completion = ids
     row = {
         "session_id": turn.session_id,
@@ -253,6 +261,7 @@ def turn_json(turn: TurnRecord, ids: tuple[list[int], list[int]], notes: list[An
         # `records/recorded_routes.sequence_routes`, or an export).
         "routed_experts": turn.routed_experts.model_dump(exclude_none=True) if turn.routed_experts else None,
         "routed_experts_through": turn.routed_experts_through,
+        "images": [image.model_dump() for image in images or ()],
         "annotations": [note.model_dump(by_alias=True, exclude_none=True) for note in notes],
     }
     return json.dumps(row, ensure_ascii=False)
