@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tito_addon.records.episode_segments import Segment, SegmentNotes, episode_segments
-from tito_addon.records.record_models import TurnRecord
+from tito_addon.records.record_models import RecordedImage, TurnRecord
 from tito_addon.records.record_reader import SessionFile
 from tito_addon.records.recorded_routes import SequenceRoutes, sequence_routes
 
@@ -36,6 +36,12 @@ class Branch:
     segment: int
     session_key: int = 0  # which session file the turns are in (turn ids are unique only within one)
     session: SessionFile | None = field(default=None, compare=False, repr=False)
+
+    def images(self) -> list[RecordedImage]:
+        """The images `ids` hold, in order, each where its run of pad ids lies in them (none: a text-only row)."""
+        if self.session is None:
+            return []
+        return self.session.sequence_images().get(self.path[-1].turn_id, [])
 
     def routes(self) -> SequenceRoutes | None:
         """The MoE routes of `ids` (one row a position but the last), where the session recorded them."""

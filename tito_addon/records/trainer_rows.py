@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.record_models import CALLS, TurnRecord
+from tito_addon.records.image_store import ImageStore
+from tito_addon.records.record_models import CALLS, RecordedImage, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files, read_session
 from tito_addon.records.rollout_groups import Arrangement, PlacedRow, arrange
 from tito_addon.records.segment_branches import Branch, branches
@@ -130,6 +131,41 @@ def routes_columns(branch: Branch, name: str) -> dict[str, Any]:
     return {name: npy_bytes(routes.array), "routed_experts_missing": None}
 
 
+def row_images(branch: Branch) -> list[tuple[RecordedImage, bytes]]:
+    """The row's images with their bytes, from the record dir's image store; an image not there is an ExportError:
+    a row whose pad ids have no pixels cannot be trained on."""
+    images = branch.images()
+    if not images:
+        return []
+    assert branch.session is not None
+    store = ImageStore(branch.session.path.parent)
+    out = []
+    for image in images:
+        name = f"{image.sha256}.{image.format}"
+        try:
+            out.append((image, store.read(name)))
+        except OSError as exc:
+            raise ExportError(
+                f"session {branch.path[-1].session_id}: image {name} is not in {store.root} ({exc}); the rows need "
+                "every image their ids hold"
+            ) from None
+    return out
+
+
+def images_column(branch: Branch) -> list[dict[str, Any]]:
+    """Each image of the row (`images`): its digest, format, displayed size, run of pad ids in `input_ids` and bytes."""
+    return [{**image.model_dump(), "bytes": data} for image, data in row_images(branch)]
+
+
+def media_column(branch: Branch) -> dict[str, list[bytes]] | None:
+    """The row's images as verl's agent loop and slime's `Sample` keep raw media: `{"images": [...]}` in prompt order
+    (verl `AgentLoopOutput.multi_modal_data`, slime `Sample.multimodal_inputs`), each the bytes the agent sent; null
+    for a text-only row. Both trainers run their processor over them (verl's `_compute_multi_modal_inputs`, slime's
+    `multimodal_train_inputs`)."""
+    images = row_images(branch)
+    return {"images": [data for _, data in images]} if images else None
+
+
 def npy_bytes(array: Any) -> bytes:
     import numpy as np
 
@@ -149,6 +185,7 @@ def generic_row(row: PlacedRow) -> dict[str, Any]:
         "messages": json.dumps(branch.messages, ensure_ascii=False),
         "finish_reasons": [t.finish_reason for t in branch.path],
         **routes_columns(branch, "routed_experts"),
+        "images": images_column(branch),
         **_tail(row),
     }
 
@@ -184,6 +221,7 @@ def verl_row(row: PlacedRow) -> dict[str, Any]:
         "__num_turns__": verl_num_turns(branch.path),
         "finish_reasons": [t.finish_reason for t in branch.path],
         **routes_columns(branch, "routed_experts"),
+        "multi_modal_data": media_column(branch),
         **_tail(row),
     }
 
@@ -220,6 +258,7 @@ def slime_row(row: PlacedRow) -> dict[str, Any]:
         "rollout_log_probs": branch.logprobs[cut:],
         "status": SLIME_STATUS.get(leaf.finish_reason or "", "completed"),
         **routes_columns(branch, "rollout_routed_experts"),
+        "multimodal_inputs": media_column(branch),
         # slime appends one `meta_info.weight_version` per generate call (`sglang_rollout.py`): a turn resumed across a
         # weight update made one call per attempt, each answered with the version current at its end.
         **_tail(row),
@@ -336,6 +375,18 @@ def schema(layout: str) -> Any:
         pa.list_(pa.float64()),
         pa.list_(pa.string()),
     )
+    image = pa.struct(
+        [
+            ("sha256", pa.string()),
+            ("format", pa.string()),
+            ("width", pa.int64()),
+            ("height", pa.int64()),
+            ("offset", pa.int64()),
+            ("length", pa.int64()),
+            ("bytes", pa.binary()),
+        ]
+    )
+    media = pa.struct([("images", pa.list_(pa.binary()))])
     head = [
         ("session_id", pa.string()),
         ("leaf_turn_id", pa.int64()),
@@ -392,6 +443,7 @@ def schema(layout: str) -> Any:
             ("finish_reasons", strings),
             ("routed_experts", pa.binary()),
             ("routed_experts_missing", pa.string()),
+            ("images", pa.list_(image)),
         ],
         "verl": [
             ("uid", pa.string()),
@@ -407,6 +459,7 @@ def schema(layout: str) -> Any:
             ("finish_reasons", strings),
             ("routed_experts", pa.binary()),
             ("routed_experts_missing", pa.string()),
+            ("multi_modal_data", media),
         ],
         "slime": [
             ("prompt", pa.string()),
@@ -418,6 +471,7 @@ def schema(layout: str) -> Any:
             ("status", pa.string()),
             ("rollout_routed_experts", pa.binary()),
             ("routed_experts_missing", pa.string()),
+            ("multimodal_inputs", media),
         ],
     }[layout]
     return pa.schema(head + body + tail)
