@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump, post
-from support.tito_commands import replay_proxy, run_cli
+from support.tito_commands import redrive, replay_proxy, run_cli
 
 from tito_addon.engine.vision_tokens import QWEN2_5_VL
 from tito_addon.records.record_reader import read_session
@@ -469,3 +469,30 @@ def test_export_rows_carry_each_image_where_the_ids_hold_it(stack: Stack, tmp_pa
         rows = pq.read_table(tmp_path / f"{layout}.parquet").to_pylist()
         [row] = [r for r in rows if r["session_id"] == "shots"]
         assert row[column] == {"images": [sent[d] for d in digests]}
+
+
+def test_redrive_scores_a_screenshot_session_with_its_images(tmp_path: Path) -> None:
+    """sglang scores the recorded ids with one pad per image and every image, and its expansion is the recorded
+    one: under the checkpoint that sampled them the gap is zero, under a shifted one it is the shift."""
+    record_dir = tmp_path / "rec"
+    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl")
+    shots = [png(90, 50, (1, 1, 1)), png(50, 90, (2, 2, 2))]
+    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=tmp_path, **settings) as proxy:
+        client = openai.OpenAI(
+            base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": "scored"}, max_retries=0
+        )
+        messages: list[dict] = []
+        for shot in shots:
+            messages.append({"role": "user", "content": [shot_part(shot), {"type": "text", "text": "Next?"}]})
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=100)
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    for shift in (0.0, 0.5):
+        newer = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl", checkpoint_shift=shift)
+        with ReplicaThread(newer) as scorer:
+            report = redrive(record_dir, scorer.url, tmp_path / f"report-{shift}.json")
+            bodies = list(scorer.backend.scored)
+        assert len(report["turns"]) == 2
+        assert all(turn["kl_estimate"] == pytest.approx(shift) for turn in report["turns"])
+        assert [len(body["image_data"]) for body in bodies] == [1, 2]
+        assert [body["input_ids"].count(IMAGE_PAD) for body in bodies] == [1, 2]

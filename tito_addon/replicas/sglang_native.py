@@ -67,10 +67,12 @@ class SglangNative:
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return json_response(error_body("input_ids must be a non-empty list of ints", 400), status=400)
         sampling = body.get("sampling_params") or {}
-        # (A body that asks for no tokens, or names no budget and no image, is a score, as re-drive sends.)
-        if body.get("image_data") or sampling.get("max_new_tokens", 0) != 0:
+        # A body that asks for no tokens is a score, as re-drive sends (one that names no budget generates where it
+        # holds images; without, it is taken for a score too, the replica's older use).
+        if sampling.get("max_new_tokens", None if body.get("image_data") else 0) != 0:
             return await self._generate_from_ids(request, body, ids, sampling, t0)
         try:  # the scheduler's check of the routes' start: an abort whose message /generate answers as a 400
+            ids, _ = self._with_images(ids, body.get("image_data"))
             self._check_routes_start(len(ids), body)
         except BadRequest as exc:
             return json_response({"error": {"message": str(exc)}}, status=400)
@@ -89,7 +91,10 @@ class SglangNative:
                 "output_token_logprobs": []}  # fmt: skip
         if routes_from is not None:  # no output: rows [start, prompt - 1)
             meta["routed_experts"] = sglang_routes_b64(route_rows(self.config, ids, routes_from))
-        return json_response({"text": "", "output_ids": [], "meta_info": meta})
+        out: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": meta}
+        if truthy(body.get("return_prompt_token_ids")):
+            out["prompt_token_ids"] = ids
+        return json_response(out)
 
     def _with_images(self, ids: list[int], image_data: Any) -> tuple[list[int], list[dict[str, Any]]]:
         """The ids the model runs on: each `<|image_pad|>` expanded for its image, the other ids as sent (the exact

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tito_addon.backends.image_features import placed_features
 from tito_addon.backends.upstream_client import UpstreamClient
+from tito_addon.chat_images import ImageRefused, PromptImage, image_from_bytes
+from tito_addon.engine.vision_tokens import collapse_runs
+from tito_addon.records.image_store import ImageStore
 from tito_addon.records.record_models import TurnRecord
-from tito_addon.records.record_reader import iter_session_files
+from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files
 from tito_addon.records.recorded_routes import routes_summary
 from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 
@@ -99,11 +103,19 @@ class Scorer:
             raise ValueError(f"unknown backend kind {kind!r}")
         self.client, self.base_url, self.kind = client, base_url.rstrip("/"), kind
 
-    async def score(self, record: TurnRecord, prompt: list[int], completion: list[int]) -> list[float]:
+    async def score(
+        self,
+        record: TurnRecord,
+        prompt: list[int],
+        completion: list[int],
+        images: Sequence[PromptImage] = (),
+    ) -> list[float]:
+        """`images`: those the prompt holds, each with its run of pads in `prompt`: each engine is given them as it is
+        on a turn (sglang one pad per image and `image_data`; vLLM the features render makes of them)."""
         if self.kind == "sglang":
-            values = await self._sglang(prompt, completion)
+            values = await self._sglang(prompt, completion, images)
         else:
-            values = await self._vllm(record, prompt, completion)
+            values = await self._vllm(record, prompt, completion, images)
         if len(values) != len(completion):
             raise UpstreamMalformed(f"backend scored {len(values)} of {len(completion)} completion tokens")
         for value in values:
@@ -120,21 +132,30 @@ class Scorer:
             raise UpstreamMalformed(f"{path} answered with JSON that is not an object")
         return parsed
 
-    async def _sglang(self, prompt: list[int], completion: list[int]) -> list[Any]:
-        body = {
+    async def _sglang(self, prompt: list[int], completion: list[int], images: Sequence[PromptImage]) -> list[Any]:
+        body: dict[str, Any] = {
             "input_ids": prompt + completion,
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
             "logprob_start_len": len(prompt),
             "top_logprobs_num": 0,
         }
-        entries = ((await self._post("/generate", body)).get("meta_info") or {}).get("input_token_logprobs") or []
+        if images:  # sglang expands one pad per image itself (the positions scored are those of the expanded ids)
+            body["input_ids"] = collapse_runs(prompt + completion, [(image.offset, image.end) for image in images])
+            body["image_data"] = [image.image.data_url() for image in images]
+            body["return_prompt_token_ids"] = True
+        answer = await self._post("/generate", body)
+        if images and answer.get("prompt_token_ids") != prompt + completion:
+            raise UpstreamMalformed("sglang expanded the images to other ids than the recorded ones")
+        entries = (answer.get("meta_info") or {}).get("input_token_logprobs") or []
         scored = entries[: len(completion)]
         if [e[1] for e in scored if isinstance(e, list) and len(e) > 1] != completion:
             raise UpstreamMalformed("sglang scored other tokens than the recorded completion")
         return [e[0] for e in scored]
 
-    async def _vllm(self, record: TurnRecord, prompt: list[int], completion: list[int]) -> list[Any]:
+    async def _vllm(
+        self, record: TurnRecord, prompt: list[int], completion: list[int], images: Sequence[PromptImage]
+    ) -> list[Any]:
         body: dict[str, Any] = {
             "token_ids": prompt + completion,
             "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False},
@@ -142,6 +163,8 @@ class Scorer:
         }
         if record.model:
             body["model"] = record.model
+        if images:
+            body["features"] = await self._vllm_features(record, images)
         rows = (await self._post("/inference/v1/generate", body)).get("prompt_logprobs")
         if not isinstance(rows, list) or len(rows) != len(prompt) + len(completion):
             raise UpstreamMalformed("vLLM returned no prompt_logprobs for the scored ids")
@@ -153,6 +176,27 @@ class Scorer:
             values.append(entry.get("logprob"))
         return values
 
+    async def _vllm_features(self, record: TurnRecord, images: Sequence[PromptImage]) -> Any:
+        """The images' features, as vLLM's render makes them (its processed pixels), placed on the recorded ids."""
+        parts = [{"type": "image_url", "image_url": {"url": image.image.data_url()}} for image in images]
+        chat = {"model": record.model, "messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+        rendered = await self._post("/v1/chat/completions/render", chat)
+        return placed_features(rendered.get("features"), images)
+
+
+def prompt_images(session_file: SessionFile, record: TurnRecord) -> list[PromptImage]:
+    """The images of a recorded turn's prompt, with their bytes from its record dir's image store."""
+    placed = session_file.sequence_images().get(record.turn_id) or []
+    store = ImageStore(session_file.path.parent)
+    out = []
+    for image in placed:
+        try:
+            data = store.read(f"{image.sha256}.{image.format}")
+            out.append(PromptImage(image_from_bytes(data), image.offset, image.length))
+        except (OSError, ImageRefused) as exc:
+            raise RecordError(f"turn {record.turn_id} of {record.session_id}: image {image.sha256}: {exc}") from None
+    return out
+
 
 async def redrive(record_dir: Path, scorer: Scorer, progress: Callable[[], None] | None = None) -> RedriveReport:
     report = RedriveReport()
@@ -160,7 +204,8 @@ async def redrive(record_dir: Path, scorer: Scorer, progress: Callable[[], None]
         ids = session_file.full_ids()
         for record in session_file.turns:
             prompt, completion = ids[record.turn_id]
-            scored = gap(record, await scorer.score(record, prompt, completion))
+            images = prompt_images(session_file, record)
+            scored = gap(record, await scorer.score(record, prompt, completion, images))
             if record.routed_experts is not None:
                 scored = dataclasses.replace(scored, routes=routes_summary(session_file, record.turn_id))
             report.turns.append(scored)
