@@ -444,17 +444,21 @@ def test_a_screenshot_session_shows_and_replays_with_no_backend(tmp_path: Path) 
 
 
 def test_export_rows_carry_each_image_where_the_ids_hold_it(stack: Stack, tmp_path: Path) -> None:
-    """After the screenshot loop (its module's first test): every layout's rows hold the images as sent, in prompt
-    order: the generic `images` with each run of pads, verl's `multi_modal_data` and slime's `multimodal_inputs` as
-    those trainers keep raw media."""
+    """Every layout's rows hold the images as sent, in prompt order: the generic `images` with each run of pads,
+    verl's `multi_modal_data` and slime's `multimodal_inputs` as those trainers keep raw media."""
     import pyarrow.parquet as pq
 
-    lines = stack.lines("shots")
-    assert lines, "the screenshot loop ran first"
+    client = stack.client("exported")
+    messages: list[dict] = []
+    for shot in (png(70, 40, (5, 50, 5)), png(40, 70, (50, 5, 5))):
+        messages.append({"role": "user", "content": [shot_part(shot), {"type": "text", "text": "Then?"}]})
+        reply = client.chat.completions.create(model="tiny-qwen2.5-vl", messages=messages, max_tokens=100)
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    lines = stack.lines("exported")
     digests = [image.sha256 for line in lines for image in line.images or []]
     sent = {digest: (stack.record_dir / "images" / f"{digest}.png").read_bytes() for digest in digests}
     run_cli("export", str(stack.record_dir), str(tmp_path / "g.parquet"), "--format", "generic")
-    generic = [r for r in pq.read_table(tmp_path / "g.parquet").to_pylist() if r["session_id"] == "shots"]
+    generic = [r for r in pq.read_table(tmp_path / "g.parquet").to_pylist() if r["session_id"] == "exported"]
     [row] = generic
     assert [image["sha256"] for image in row["images"]] == digests
     for image in row["images"]:
@@ -462,12 +466,12 @@ def test_export_rows_carry_each_image_where_the_ids_hold_it(stack: Stack, tmp_pa
         assert row["input_ids"][image["offset"] : image["offset"] + image["length"]] == [IMAGE_PAD] * image["length"]
     run_cli("export", str(stack.record_dir), str(tmp_path / "g.jsonl"), "--format", "generic", "--to", "jsonl")
     as_json = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
-    [line] = [r for r in as_json if r["session_id"] == "shots"]
+    [line] = [r for r in as_json if r["session_id"] == "exported"]
     assert [base64.b64decode(image["bytes"]) for image in line["images"]] == [sent[d] for d in digests]
     for layout, column in (("verl", "multi_modal_data"), ("slime", "multimodal_inputs")):
         run_cli("export", str(stack.record_dir), str(tmp_path / f"{layout}.parquet"), "--format", layout)
         rows = pq.read_table(tmp_path / f"{layout}.parquet").to_pylist()
-        [row] = [r for r in rows if r["session_id"] == "shots"]
+        [row] = [r for r in rows if r["session_id"] == "exported"]
         assert row[column] == {"images": [sent[d] for d in digests]}
 
 

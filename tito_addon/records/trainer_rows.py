@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tito_addon.records.image_store import ImageStore
-from tito_addon.records.record_models import CALLS, RecordedImage, TurnRecord
+from tito_addon.records.record_models import CALLS, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files, read_session
 from tito_addon.records.rollout_groups import Arrangement, PlacedRow, arrange
+from tito_addon.records.row_images import images_column, media_column
 from tito_addon.records.segment_branches import Branch, branches
 
 LAYOUTS = ("generic", "verl", "slime", "verl-dataset")
@@ -129,41 +129,6 @@ def routes_columns(branch: Branch, name: str) -> dict[str, Any]:
         said = f"routes of {routes.through} of {routes.positions} positions: {why}"
         return {name: None, "routed_experts_missing": said}
     return {name: npy_bytes(routes.array), "routed_experts_missing": None}
-
-
-def row_images(branch: Branch) -> list[tuple[RecordedImage, bytes]]:
-    """The row's images with their bytes, from the record dir's image store; an image not there is an ExportError:
-    a row whose pad ids have no pixels cannot be trained on."""
-    images = branch.images()
-    if not images:
-        return []
-    assert branch.session is not None
-    store = ImageStore(branch.session.path.parent)
-    out = []
-    for image in images:
-        name = f"{image.sha256}.{image.format}"
-        try:
-            out.append((image, store.read(name)))
-        except OSError as exc:
-            raise ExportError(
-                f"session {branch.path[-1].session_id}: image {name} is not in {store.root} ({exc}); the rows need "
-                "every image their ids hold"
-            ) from None
-    return out
-
-
-def images_column(branch: Branch) -> list[dict[str, Any]]:
-    """Each image of the row (`images`): its digest, format, displayed size, run of pad ids in `input_ids` and bytes."""
-    return [{**image.model_dump(), "bytes": data} for image, data in row_images(branch)]
-
-
-def media_column(branch: Branch) -> dict[str, list[bytes]] | None:
-    """The row's images as verl's agent loop and slime's `Sample` keep raw media: `{"images": [...]}` in prompt order
-    (verl `AgentLoopOutput.multi_modal_data`, slime `Sample.multimodal_inputs`), each the bytes the agent sent; null
-    for a text-only row. Both trainers run their processor over them (verl's `_compute_multi_modal_inputs`, slime's
-    `multimodal_train_inputs`)."""
-    images = row_images(branch)
-    return {"images": [data for _, data in images]} if images else None
 
 
 def npy_bytes(array: Any) -> bytes:
@@ -375,17 +340,9 @@ def schema(layout: str) -> Any:
         pa.list_(pa.float64()),
         pa.list_(pa.string()),
     )
-    image = pa.struct(
-        [
-            ("sha256", pa.string()),
-            ("format", pa.string()),
-            ("width", pa.int64()),
-            ("height", pa.int64()),
-            ("offset", pa.int64()),
-            ("length", pa.int64()),
-            ("bytes", pa.binary()),
-        ]
-    )
+    # A row's images (`row_images`): the generic layout's with their place; verl's and slime's raw media.
+    numbers = [(name, pa.int64()) for name in ("width", "height", "offset", "length")]
+    image = pa.struct([("sha256", pa.string()), ("format", pa.string()), *numbers, ("bytes", pa.binary())])
     media = pa.struct([("images", pa.list_(pa.binary()))])
     head = [
         ("session_id", pa.string()),
