@@ -74,7 +74,8 @@ class CompletionParser:
             answer = None
         if not isinstance(answer, dict):
             raise UpstreamMalformed(
-                f"sglang's {path} answered {response.status} while parsing a resumed generation: "
+                f"sglang's {path} answered {response.status} while parsing a completion its chat endpoint did not "
+                f"(a resumed generation, or a turn with images): "
                 f"{response.body[:200]!r}; nothing was recorded"
             )
         return answer
