@@ -5,6 +5,10 @@ A router must carry what an image turn sends (vLLM: render's `features` on `/inf
 `/generate` with `image_data` and `return_prompt_token_ids`) to the engine that holds the session, and bring back the
 expanded prompt ids. Where a router drops a field the turn needs, the proxy must refuse the turn loudly, never record
 one the engine ran without its images: what each router does is the README's table.
+
+Measured here: vllm-router carries vLLM's image turns. In front of sglang, vllm-router's typed `/generate` drops
+`return_prompt_token_ids`, and smg carries `/generate` but routes none of sglang's parser routes: the proxy refuses
+sglang image turns behind either router before sending anything.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import requests
 from PIL import Image
 from support.basics import tokenizer_path
 from support.proxy_harness import Mitmdump
@@ -65,44 +70,51 @@ def screenshot_turns(proxy: Mitmdump, model: str, shots: list[bytes]) -> list[Ba
     return outcomes
 
 
-# What each router does with an image turn: carried, or the words of the proxy's refusal.
-CASES = [
-    ("vllm-router", "vllm", None),
-    # vllm-router's typed /generate drops `return_prompt_token_ids`: the expansion cannot be shown.
-    ("vllm-router", "sglang", "backend did not echo prompt_token_ids"),
-    # smg carries /generate whole, but routes none of sglang's parser routes the completion is parsed by.
-    ("smg", "sglang", "sglang's /detokenize answered 404"),
-]
-
-
-@pytest.mark.parametrize(("router", "kind", "refusal"), CASES)
-def test_a_routers_image_turns_reach_the_sessions_engine_or_are_refused(
-    tmp_path: Path, router: str, kind: str, refusal: str | None
-) -> None:
+def test_vllm_router_carries_vllms_image_turns_to_the_sessions_engine(tmp_path: Path) -> None:
     shots = [png(120, 90, (9, 99, 9)), png(90, 120, (99, 9, 9)), png(64, 64, (9, 9, 99))]
-    with engine(kind) as e0, engine(kind) as e1:
-        gateway = SmgGateway([e0.url, e1.url]) if router == "smg" else VllmRouter([e0.url, e1.url])
-        with gateway:
-            options = {"tito_backend_kind": kind, "tito_router": router}
-            record_dir = tmp_path / "rec"
-            with Mitmdump(gateway.url, tokenizer=tokenizer_path("qwen2.5"), family="qwen2.5-vl",
-                          record_dir=record_dir, cwd=tmp_path, options=options) as proxy:  # fmt: skip
-                outcomes = screenshot_turns(proxy, "m" if kind == "vllm" else "reference-model", shots)
+    with engine("vllm") as e0, engine("vllm") as e1, VllmRouter([e0.url, e1.url]) as gateway:
+        options = {"tito_backend_kind": "vllm", "tito_router": "vllm-router"}
+        record_dir = tmp_path / "rec"
+        with Mitmdump(gateway.url, tokenizer=tokenizer_path("qwen2.5"), family="qwen2.5-vl", record_dir=record_dir,
+                      cwd=tmp_path, options=options) as proxy:  # fmt: skip
+            assert screenshot_turns(proxy, "m", shots) == [None] * len(shots)
         runs = [e.generated() for e in (e0, e1)]
     recorded = read_session(record_dir, "routed")
-    turns = recorded.turns if recorded is not None else []
-    if refusal is None:
-        assert outcomes == [None] * len(shots)
-        # Every turn on the one engine that holds the session, with every image so far, ids exact.
-        [held] = [r for r in runs if r]
-        assert len(held) == len(turns) == len(shots)
-        ids = recorded.full_ids()
-        for index, (run, turn) in enumerate(zip(held, turns, strict=True)):
-            assert run["prompt_ids"] == ids[turn.turn_id][0]
-            expected = [hashlib.sha256(shot).hexdigest() for shot in shots[: index + 1]]
-            assert [image["sha256"] for image in run["images"]] == expected
-    else:
-        # Refused loudly, at the first turn, and nothing recorded.
-        [refused] = outcomes
-        assert isinstance(refused, openai.APIStatusError) and refused.status_code == 502
-        assert refusal in str(refused) and turns == []
+    assert recorded is not None
+    # Every turn on the one engine that holds the session, with every image so far, ids exact.
+    [held] = [r for r in runs if r]
+    assert len(held) == len(recorded.turns) == len(shots)
+    ids = recorded.full_ids()
+    for index, (run, turn) in enumerate(zip(held, recorded.turns, strict=True)):
+        assert run["prompt_ids"] == ids[turn.turn_id][0]
+        expected = [hashlib.sha256(shot).hexdigest() for shot in shots[: index + 1]]
+        assert [image["sha256"] for image in run["images"]] == expected
+
+
+def test_sglang_image_turns_through_a_router_are_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    """What each router does to what an sglang image turn needs, measured on the router itself, and the proxy's
+    refusal of those turns up front (`sglang_generate.ROUTERS_WITHOUT_IMAGES`)."""
+    shot = png(120, 90, (9, 99, 9))
+    with engine("sglang") as e0, engine("sglang") as e1:
+        for router, gateway in (("vllm-router", VllmRouter([e0.url, e1.url])), ("smg", SmgGateway([e0.url, e1.url]))):
+            with gateway:
+                url = "data:image/png;base64," + base64.b64encode(shot).decode()
+                body = {"input_ids": [151652, 151655, 151653, 9707], "image_data": [url],
+                        "return_prompt_token_ids": True, "sampling_params": {"max_new_tokens": 4}}  # fmt: skip
+                generated = requests.post(gateway.url + "/generate", json=body, timeout=60)
+                detokenized = requests.post(gateway.url + "/detokenize", json={"tokens": [9707]}, timeout=60)
+                if router == "vllm-router":  # the engine's expanded ids do not come back
+                    assert generated.status_code == 200 and "prompt_token_ids" not in generated.json()
+                else:  # /generate is carried whole, the parser routes are not routed at all
+                    assert generated.status_code == 200 and len(generated.json()["prompt_token_ids"]) > 4
+                    assert detokenized.status_code == 404
+                before = len(e0.generated()) + len(e1.generated())
+                options = {"tito_router": router}
+                record_dir = tmp_path / router
+                with Mitmdump(gateway.url, tokenizer=tokenizer_path("qwen2.5"), family="qwen2.5-vl",
+                              record_dir=record_dir, cwd=tmp_path, options=options) as proxy:  # fmt: skip
+                    [refused] = screenshot_turns(proxy, "reference-model", [shot])
+                assert isinstance(refused, openai.APIStatusError) and refused.status_code == 400
+                assert f"turns with images cannot reach sglang through {router}" in str(refused)
+                assert len(e0.generated()) + len(e1.generated()) == before
+                assert read_session(record_dir, "routed") is None

@@ -20,11 +20,12 @@ def make_backend(
     compact_requests: bool = False,
     resume: ResumePolicy = DEFAULT_RESUME,
     resume_stats: ResumeStats | None = None,
+    router: str = "none",
 ) -> Backend:
     """`merge_stream_chunks`: vLLM may derender the generate chunks that arrived during a call as one (see
     `ModelFamily.chunking_invariant_parsers`); `compact_requests`: the parsers are sent only what they read (vLLM
     derender a seed of the prompt, neither server the conversation; `ModelFamily.compact_requests`); `resume`: how far a
-    generation the backend aborts (a weight update) is resumed."""
+    generation the backend aborts (a weight update) is resumed; `router`: the engine router in front (`tito_router`)."""
     if kind == "sglang":
         return SglangBackend(
             client,
@@ -32,6 +33,7 @@ def make_backend(
             compact_requests=compact_requests,
             resume=resume,
             resume_stats=resume_stats,
+            router=router,
         )
     if kind == "vllm":
         return VllmBackend(

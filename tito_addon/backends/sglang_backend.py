@@ -57,6 +57,7 @@ from tito_addon.backends.sglang_attempts import (
 )
 from tito_addon.backends.sglang_generate import (
     GENERATE_PATH,
+    check_router,
     check_version,
     generate_attempt,
     generate_body,
@@ -100,8 +101,10 @@ class SglangBackend:
         compact_requests: bool = False,
         resume: ResumePolicy = DEFAULT_RESUME,
         resume_stats: ResumeStats | None = None,
+        router: str = "none",
     ) -> None:
         self.client = client
+        self.router = router
         self.verify_echo = verify_echo
         # Send only the messages sglang reads when given input_ids (`parser_inputs`), for the known families.
         self.compact_requests = compact_requests
@@ -323,6 +326,7 @@ class SglangBackend:
     async def _image_turn(self, turn: BackendTurn) -> BackendResult:
         """A turn whose prompt holds images: `/generate` on our ids with every image (`sglang_generate`), resumed
         across weight updates like a chat turn, its whole completion parsed by the server's own parser routes."""
+        check_router(self.router)
         check_version((await self.servers.get(turn.base_url, turn.headers)).version)
         stitched = self.stitched(turn)
         finished = False

@@ -58,6 +58,24 @@ def check_version(version: tuple[int, ...] | None) -> None:
         )
 
 
+#: Why an image turn cannot go through each router (measured: tests/full/test_image_routers.py).
+ROUTERS_WITHOUT_IMAGES = {
+    "vllm-router": "its /generate re-serialises the request without return_prompt_token_ids, so the engine's "
+    "expansion of the images cannot be shown",
+    "smg": "it routes none of sglang's parser routes (/detokenize, /separate_reasoning, /parse_function_call), "
+    "which make the chat message of a /generate completion",
+}
+
+
+def check_router(router: str) -> None:
+    why = ROUTERS_WITHOUT_IMAGES.get(router)
+    if why is not None:
+        raise BadRequest(
+            f"turns with images cannot reach sglang through {router}: {why}; list the engines in tito_engines (no "
+            "router) to serve them; nothing was forwarded"
+        )
+
+
 def sampling_params(chat_body: dict[str, Any], defaults: dict[str, Any], max_new_tokens: Any) -> dict[str, Any]:
     params = {key: defaults[key] for key in MODEL_DEFAULTS if key in defaults}
     for field, name in SAMPLING_FIELDS.items():

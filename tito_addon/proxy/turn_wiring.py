@@ -123,6 +123,7 @@ class TurnWiring:
             compact_requests=engine.family.compact_requests,
             resume=ResumePolicy(settings.resume_max, settings.resume_wait),
             resume_stats=self.resume_stats,
+            router=settings.router,
         )
         # With a shared store several processes write turns of one session: each its own part of the file.
         records = FileRecords(settings.record_dir, writer=self.writer_id if shared else None)
