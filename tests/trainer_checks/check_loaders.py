@@ -4,6 +4,11 @@ what tito_addon/trainers makes to verl's own code and torch's loader, and write 
     python check_loaders.py verl ROWS OUT.json OPTIONS_JSON     verl_batch, then verl's compute_advantage (GRPO)
     python check_loaders.py slime DIR OUT.json                  every DIR/*.pt as slime loads it (torch.load)
     python check_loaders.py dataset PARQUET TOKENIZER OUT.json  verl's RLHFDataset over verl-dataset rows
+    python check_loaders.py slime-images ROWS DIR OUT.json PROCESSOR_JSON   slime_rollouts with images, loaded back
+
+OPTIONS_JSON's `processor` (and PROCESSOR_JSON): `{"tokenizer": DIR, "size": {...}, "patch_size": N}`, the model's
+processor made of its tokenizer and transformers' PIL image processor (the full processor needs torchvision, which
+this CPU environment lacks).
 """
 
 import json
@@ -22,6 +27,24 @@ def plain(value):
     return value
 
 
+def processor_of(spec: dict):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(size=spec["size"], patch_size=spec["patch_size"], merge_size=2)
+    return SimpleNamespace(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(spec["tokenizer"]))
+
+
+def media_summary(name: str, values) -> list:
+    """What a batch's multimodal columns hold, without megabytes of pixels: shapes, grids, image sizes."""
+    if name == "multi_modal_data":
+        return [[list(image.size) for image in row.get("images", [])] for row in values]
+    return [{k: {"shape": list(v.shape), "values": v.tolist() if k != "pixel_values" else None} for k, v in row.items()}
+            for row in values]  # fmt: skip
+
+
 def verl(rows: str, out: str, options: str) -> None:
     from verl import DataProto
     from verl.trainer.ppo.core_algos import AdvantageEstimator
@@ -29,13 +52,17 @@ def verl(rows: str, out: str, options: str) -> None:
 
     from tito_addon.trainers.verl_batch import verl_batch
 
-    batch = verl_batch(rows, **json.loads(options))
+    asked = json.loads(options)
+    if "processor" in asked:
+        asked["processor"] = processor_of(asked["processor"])
+    batch = verl_batch(rows, **asked)
     assert isinstance(batch, DataProto)
     batch.check_consistency()
     tensors = {k: {"shape": list(v.shape), "dtype": str(v.dtype), "values": v.tolist()} for k, v in batch.batch.items()}
+    media = ("multi_modal_data", "multi_modal_inputs")
     report = {
         "tensors": tensors,
-        "non_tensors": {k: plain(v) for k, v in batch.non_tensor_batch.items()},
+        "non_tensors": {k: media_summary(k, v) if k in media else plain(v) for k, v in batch.non_tensor_batch.items()},
         "meta": batch.meta_info,
     }
     if "rm_scores" in batch.batch.keys():
@@ -77,5 +104,25 @@ def dataset(parquet: str, tokenizer: str, out: str) -> None:
     Path(out).write_text(json.dumps([{k: plain(item.get(k)) for k in keep} for item in items]))
 
 
+def slime_images(rows: str, folder: str, out: str, spec: str) -> None:
+    import torch
+
+    from tito_addon.trainers.slime_rollouts import write_rollout_files
+
+    write_rollout_files(rows, folder, processor=processor_of(json.loads(spec)))
+    samples = []
+    for path in sorted(Path(folder).glob("*.pt")):
+        for sample in torch.load(path, weights_only=False)["samples"]:
+            inputs, train = sample["multimodal_inputs"], sample["multimodal_train_inputs"]
+            samples.append({
+                "tokens": sample["tokens"],
+                "images": None if inputs is None else [list(image.size) for image in inputs["images"]],
+                "train": None if train is None else {k: list(v.shape) for k, v in train.items()},
+                "grid": None if train is None else train["image_grid_thw"].tolist(),
+            })  # fmt: skip
+    Path(out).write_text(json.dumps(samples))
+
+
 if __name__ == "__main__":
-    {"verl": verl, "slime": slime, "dataset": dataset}[sys.argv[1]](*sys.argv[2:])
+    commands = {"verl": verl, "slime": slime, "dataset": dataset, "slime-images": slime_images}
+    commands[sys.argv[1]](*sys.argv[2:])

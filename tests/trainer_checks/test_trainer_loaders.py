@@ -288,3 +288,95 @@ def test_routes_reach_verls_batch_and_slimes_samples_aligned_with_the_ids(
     assert only["routes_types"] == ["Tensor:torch.int32"] * 6
     for sample in only["samples"]:
         assert sample["rollout_routed_experts"] == engine_routes(sample["tokens"])
+
+
+QWEN2_5_VL = {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14}
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory) -> Path:
+    """Two screenshot episodes of one group (rewards 1 and 0), recorded through a real mitmdump serving qwen2.5-vl."""
+    import base64
+    import io
+    import time
+
+    import openai
+    from PIL import Image
+
+    from tito_addon.records.record_models import AnnotationRecord
+    from tito_addon.records.trajectory_recorder import TrajectoryRecorder
+
+    out = tmp_path_factory.mktemp("images")
+    record_dir = out / "rec"
+    config = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl")
+    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
+    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=out, **settings) as proxy:
+        for session, sizes in (("v0", [(84, 56), (56, 84)]), ("v1", [(112, 56), (70, 70)])):
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0,
+                                   default_headers={"x-session-id": session})  # fmt: skip
+            messages: list[dict] = []
+            for width, height in sizes:
+                shot = io.BytesIO()
+                Image.new("RGB", (width, height), (width, height, 7)).save(shot, format="PNG")
+                url = "data:image/png;base64," + base64.b64encode(shot.getvalue()).decode()
+                messages.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                             {"type": "text", "text": "Next?"}]})  # fmt: skip
+                reply = client.chat.completions.create(model="m", messages=messages, max_tokens=60)
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    recorder = TrajectoryRecorder(record_dir)
+    for session, reward in (("v0", 1.0), ("v1", 0.0)):
+        recorder.write_annotation(AnnotationRecord(session_id=session, ts=time.time(), reward=reward, group="shots"))
+    return record_dir
+
+
+def image_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of <|image_pad|> (151655)."""
+    runs: list[tuple[int, int]] = []
+    for k, token in enumerate(ids):
+        if token == 151655:
+            if runs and runs[-1][0] + runs[-1][1] == k:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((k, 1))
+    return runs
+
+
+def test_images_reach_verls_batch_and_slimes_samples_as_their_processors_make_them(
+    trainers: Path, image_dir: Path, tmp_path: Path
+) -> None:
+    """verl: each row's `multi_modal_inputs` is the image processor's over its images, whose grids match the row's runs
+    of image tokens, and `position_ids` are M-RoPE's (text positions, then temporal, height and width rows: an image's
+    run spans its merged grid). slime: each sample's `multimodal_inputs` and `multimodal_train_inputs` likewise."""
+    processor = {**QWEN2_5_VL, "tokenizer": tokenizer_path("qwen2.5")}
+    rows_path = export(image_dir, tmp_path / "verl.parquet", "--format", "verl")
+    report = verl_report(trainers, rows_path, tmp_path, processor=processor)
+    P, R = report["meta"]["prompt_length"], report["meta"]["response_length"]
+    positions = report["tensors"]["position_ids"]
+    assert positions["shape"] == [2, 4, P + R]
+    assert report["non_tensors"]["multi_modal_data"] == [[[84, 56], [56, 84]], [[112, 56], [70, 70]]]
+    ids, mask = report["tensors"]["input_ids"]["values"], report["tensors"]["attention_mask"]["values"]
+    for row, bits, inputs, pos in zip(ids, mask, report["non_tensors"]["multi_modal_inputs"], positions["values"],
+                                      strict=True):  # fmt: skip
+        where = [k for k, bit in enumerate(bits) if bit]
+        sequence = [row[k] for k in where]
+        grids = inputs["image_grid_thw"]["values"]
+        runs = image_runs(sequence)
+        assert [length for _, length in runs] == [t * h * w // 4 for t, h, w in grids]
+        assert [pos[0][k] for k in where] == list(range(len(where)))  # the text row: 0.. over the row's tokens
+        for (start, length), (_, h, w) in zip(runs, grids, strict=True):
+            span = [where[start + k] for k in range(length)]
+            rows_h, rows_w = [pos[2][k] for k in span], [pos[3][k] for k in span]
+            assert max(rows_h) - min(rows_h) == h // 2 - 1 and max(rows_w) - min(rows_w) == w // 2 - 1
+            assert len({pos[1][k] for k in span}) == 1  # one frame
+    assert "advantages" in report
+
+    slime_rows = export(image_dir, tmp_path / "slime.parquet", "--format", "slime")
+    out = tmp_path / "slime-images.json"
+    in_trainers(trainers, str(CHECK), "slime-images", str(slime_rows), str(tmp_path / "slime_data"), str(out),
+                json.dumps(processor))  # fmt: skip
+    samples = json.loads(out.read_text())
+    assert [s["images"] for s in samples] == [[[84, 56], [56, 84]], [[112, 56], [70, 70]]]
+    for sample in samples:
+        runs = image_runs(sample["tokens"])
+        assert [length for _, length in runs] == [t * h * w // 4 for t, h, w in sample["grid"]]
+        assert sample["train"]["pixel_values"][0] == sum(t * h * w for t, h, w in sample["grid"])

@@ -28,8 +28,10 @@ from typing import Any
 
 try:
     from tito_addon.trainers.row_files import Rows, read_rows, require_columns, routes_array
+    from tito_addon.trainers.row_images import image_inputs, media_images
 except ImportError:  # run as a copied file beside row_files.py
     from row_files import Rows, read_rows, require_columns, routes_array  # type: ignore[no-redef]
+    from row_images import image_inputs, media_images  # type: ignore[no-redef]
 
 SLIME_COLUMNS = ("group_index", "index", "rollout_id", "prompt", "tokens", "response", "response_length",
                  "loss_mask", "rollout_log_probs", "status", "reward", "padded")  # fmt: skip
@@ -116,16 +118,38 @@ def rollout_batches(rows: Rows, *, groups_per_file: int | None = None) -> list[l
     return [sum(listed[k : k + per_file], []) for k in range(0, len(listed), per_file)]
 
 
-def write_rollout_files(rows: Rows, out_dir: str | Path, *, groups_per_file: int | None = None) -> list[Path]:
-    """Write `OUT_DIR/0.pt`, `1.pt`, … (one per training step's rollout) and return their paths."""
+def with_images(sample: dict[str, Any], media: Any, processor: Any) -> None:
+    """A sample's images as slime's `Sample` holds them: the raw images (`multimodal_inputs`, `{"images": [PIL…]}`)
+    and what the model's processor makes of them (`multimodal_train_inputs`: `pixel_values`, `image_grid_thw`, what
+    slime's trainer passes to the model), checked against the sample's image tokens."""
+    where = f"row {sample['index']}"
+    images = media_images(media, where)
+    if images is None:
+        return
+    if processor is None:
+        raise SlimeRolloutError(
+            f"{where} holds images: pass processor= (the model's processor, as slime's rollout has)"
+        )
+    sample["multimodal_inputs"] = {"images": images}
+    sample["multimodal_train_inputs"] = image_inputs(processor, images, sample["tokens"], where)
+
+
+def write_rollout_files(
+    rows: Rows, out_dir: str | Path, *, groups_per_file: int | None = None, processor: Any = None
+) -> list[Path]:
+    """Write `OUT_DIR/0.pt`, `1.pt`, … (one per training step's rollout) and return their paths. Rows with images
+    need `processor`, the model's (its `image_processor` and `tokenizer` are read)."""
     import torch
 
+    found = read_rows(rows)
+    media = {int(row["index"]): row.get("multimodal_inputs") for row in found}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for step, samples in enumerate(rollout_batches(rows, groups_per_file=groups_per_file)):
+    for step, samples in enumerate(rollout_batches(found, groups_per_file=groups_per_file)):
         path = out / f"{step}.pt"
         for sample in samples:
+            with_images(sample, media.get(sample["index"]), processor)
             if sample["rollout_routed_experts"] is not None:
                 sample["rollout_routed_experts"] = torch.from_numpy(sample["rollout_routed_experts"])
         torch.save({"rollout_id": step, "samples": samples}, path)

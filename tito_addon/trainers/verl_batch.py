@@ -26,8 +26,10 @@ from typing import Any
 
 try:
     from tito_addon.trainers.row_files import Rows, read_rows, require_columns, routes_array
+    from tito_addon.trainers.row_images import image_inputs, media_images
 except ImportError:  # a copied file beside row_files.py
     from row_files import Rows, read_rows, require_columns, routes_array  # type: ignore[no-redef]
+    from row_images import image_inputs, media_images  # type: ignore[no-redef]
 
 VERL_COLUMNS = ("uid", "prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "reward_score",
                 "__num_turns__", "episode", "rollout_id", "index", "segment", "call", "padded")  # fmt: skip
@@ -41,9 +43,13 @@ def verl_batch(
     response_length: int | None = None,
     pad_token_id: int = 0,
     prompt_overflow: str = "error",
+    processor: Any = None,
 ) -> Any:
     """A `verl.DataProto` of the rows (a verl-layout export's path, or its rows), padded as verl's agent loop pads.
-    `pad_token_id` fills padding, which `attention_mask` hides from the model."""
+    `pad_token_id` fills padding, which `attention_mask` hides from the model. Rows with images need `processor`, the
+    model's (verl's `hf_processor(model_path)`; its `image_processor` and `tokenizer` are read): it makes each row's
+    `multi_modal_inputs`, and the rows' `position_ids` are M-RoPE's `(bs, 4, P + R)`, as verl's agent loop makes
+    them."""
     if prompt_overflow not in PROMPT_OVERFLOW:
         raise ValueError(f"prompt_overflow must be one of: {', '.join(PROMPT_OVERFLOW)}")
     found = read_rows(rows)
@@ -72,6 +78,10 @@ def verl_batch(
         lacking = [r["index"] for r, a in zip(kept, routes, strict=True) if a is None][:10]
         raise ValueError(f"rows {lacking} have no routes (routed_experts_missing says why) while others do: routing "
                          "replay needs every row's")  # fmt: skip
+
+    media = [media_images(r.get("multi_modal_data"), f"row {r['index']}") for r in kept]
+    if any(media) and processor is None:
+        raise ValueError("the rows hold images: pass processor= (the model's processor, as verl's agent loop has it)")
 
     import numpy as np
     import torch
@@ -116,6 +126,21 @@ def verl_batch(
         tensors["rm_scores"] = rm_scores
     if routes and routes[0] is not None:
         tensors["routed_experts"] = placed_routes(kept, routes, P, R, torch)
+    multi_modal: dict[str, Any] = {}
+    if any(media):
+        inputs = [
+            image_inputs(processor, images, row["prompts"] + row["responses"], f"row {row['index']}") if images else {}
+            for row, images in zip(kept, media, strict=True)
+        ]
+        for found_inputs in inputs:
+            grid = found_inputs.get("image_grid_thw")
+            if grid is not None:  # (verl's own addition to the processor's output)
+                found_inputs["images_seqlens"] = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+        tensors["position_ids"] = rope_positions(processor, tensors["input_ids"], attention_mask, inputs, torch)
+        multi_modal = {
+            "multi_modal_data": np.array([{"images": images} if images else {} for images in media], dtype=object),
+            "multi_modal_inputs": np.array(inputs, dtype=object),
+        }
     non_tensors = {
         "uid": np.array([r["uid"] for r in kept], dtype=object),
         "__num_turns__": np.array([r["__num_turns__"] for r in kept], dtype=np.int32),
@@ -126,6 +151,7 @@ def verl_batch(
         "call": np.array([r["call"] for r in kept], dtype=object),
         "padded": np.array([bool(r["padded"]) for r in kept], dtype=bool),
         "tito_truncated": truncated,
+        **multi_modal,
     }
     meta = {
         "prompt_length": P,
@@ -134,6 +160,26 @@ def verl_batch(
         "truncated_rows": int(truncated.sum()),
     }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
+
+
+def rope_positions(
+    processor: Any, input_ids: Any, attention_mask: Any, inputs: list[dict[str, Any]], torch: Any
+) -> Any:
+    """`position_ids` `(bs, 4, L)`: each row's text positions over its tokens, then its three M-RoPE rows from verl's
+    own Qwen2-VL `get_rope_index` (`verl/models/transformers/qwen2_vl.py`), as `_compute_position_ids` stacks them."""
+    from verl.models.transformers.qwen2_vl import get_rope_index
+
+    rows = []
+    for i, found in enumerate(inputs):
+        mask = attention_mask[i]
+        vision = get_rope_index(
+            processor, input_ids[i], image_grid_thw=found.get("image_grid_thw"), attention_mask=mask
+        )
+        text = torch.ones((1, mask.shape[0]), dtype=torch.long)
+        valid = mask.bool()
+        text[0, valid] = torch.arange(int(valid.sum()))
+        rows.append(torch.cat((text, vision), dim=0))
+    return torch.stack(rows)
 
 
 def placed_routes(rows: list[dict[str, Any]], routes: list[Any], P: int, R: int, torch: Any) -> Any:
