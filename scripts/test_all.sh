@@ -4,7 +4,7 @@
 #      real-vLLM environment installs in the background (downloads and unpacking, little CPU);
 #   2. serial: the tests that own the machine (the fleet, the real CLIs, crash and soak runs: tests/full/), one at a
 #      time;
-#   3. e2e: a real vLLM server on the CPU (tests/e2e/);
+#   3. e2e: real vLLM servers on the CPU (tests/e2e/): a tiny Qwen3, and a tiny Qwen2.5-VL for images;
 #   4. trainers: verl's and slime's loaders in the trainer environment (verl from PyPI, the CPU torch), installed in
 #      the background after the vLLM one (tests/trainer_checks/).
 # The markers choose the tests; each folder holds its tier's (tests/fast/test_layers.py checks it).
@@ -20,6 +20,8 @@ COMMON=(--hypothesis-profile=ci --durations=25)
 (
     bash scripts/setup_vllm_cpu.sh >"$REPORTS/setup_vllm.log" 2>&1
     echo $? >"$REPORTS/setup_vllm.rc"
+    bash scripts/setup_vllm_vl.sh >"$REPORTS/setup_vllm_vl.log" 2>&1
+    echo $? >"$REPORTS/setup_vllm_vl.rc"
     bash scripts/setup_trainers.sh >"$REPORTS/setup_trainers.log" 2>&1
     echo $? >"$REPORTS/setup_trainers.rc"
 ) &
@@ -28,7 +30,7 @@ failed=()
 "$PY" -m pytest -n "$WORKERS" --dist loadfile -m 'not serial and not e2e and not trainers' "${COMMON[@]}" \
     --junitxml="$REPORTS/parallel.xml" || failed+=(parallel)
 wait "$setup"
-for env in vllm trainers; do
+for env in vllm vllm_vl trainers; do
     if [ "$(cat "$REPORTS/setup_$env.rc" 2>/dev/null)" != 0 ]; then
         cat "$REPORTS/setup_$env.log" >&2
         failed+=("setup-$env")

@@ -17,6 +17,8 @@ from support.proxy_harness import REPO
 from tito_addon.replicas.fleet import free_port
 
 VENV = Path(os.environ.get("TITO_VLLM_VENV", REPO / ".venv-vllm"))
+#: The vision-language server's venv (`scripts/setup_vllm_vl.sh`: torchvision made to load beside the CPU torch).
+VL_VENV = Path(os.environ.get("TITO_VLLM_VL_VENV", REPO / ".venv-vllm-vl"))
 
 
 def counters(url: str) -> dict[str, float]:
@@ -36,21 +38,23 @@ def counters(url: str) -> dict[str, float]:
     return found
 
 
-def require_venv() -> None:
-    if not (VENV / "bin" / "python").exists():
+def require_venv(venv: Path = VENV, setup: str = "setup_vllm_cpu.sh") -> None:
+    if not (venv / "bin" / "python").exists():
         if os.environ.get("TITO_E2E_REQUIRED") == "1":
-            pytest.fail(f"the real-vLLM tier is required but {VENV} is missing: run scripts/setup_vllm_cpu.sh")
-        pytest.skip(f"no vLLM venv at {VENV}: run scripts/setup_vllm_cpu.sh (make test-e2e does)")
+            pytest.fail(f"the real-vLLM tier is required but {venv} is missing: run scripts/{setup}")
+        pytest.skip(f"no vLLM venv at {venv}: run scripts/{setup} (make test-e2e does)")
 
 
 class VllmCpuServer:
-    def __init__(self, log: Path) -> None:
+    """`script`: the serve script (the tiny Qwen3's, or `serve_vllm_vl.sh`: the tiny Qwen2.5-VL's)."""
+
+    def __init__(self, log: Path, script: str = "serve_vllm_cpu.sh") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with log.open("w") as out:
             self.process = subprocess.Popen(
-                ["bash", str(REPO / "scripts" / "serve_vllm_cpu.sh"), str(self.port)],
+                ["bash", str(REPO / "scripts" / script), str(self.port)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 
