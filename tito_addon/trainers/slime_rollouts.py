@@ -162,9 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rows", type=Path, help="the export (.parquet or .jsonl)")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--groups-per-file", type=int, help="groups per file: slime's rollout_batch_size")
+    parser.add_argument("--processor", help="the model's directory, for rows with images (its processor is loaded)")
     args = parser.parse_args(argv)
     try:
-        written = write_rollout_files(args.rows, args.out_dir, groups_per_file=args.groups_per_file)
+        processor = None
+        if args.processor:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(args.processor, trust_remote_code=False)
+        written = write_rollout_files(
+            args.rows, args.out_dir, groups_per_file=args.groups_per_file, processor=processor
+        )
     except (SlimeRolloutError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
