@@ -18,12 +18,13 @@ from pathlib import Path
 import openai
 import pytest
 from PIL import Image
-from support.basics import tokenizer_path
+from support.basics import cached_tokenizer, tokenizer_path
 from support.proxy_harness import Mitmdump, post
 from support.tito_commands import redrive, replay_proxy, run_cli
 
 from tito_addon.engine.vision_tokens import QWEN2_5_VL
 from tito_addon.records.record_reader import read_session
+from tito_addon.records.turn_tokens import turn_text, turn_tokens
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
@@ -428,6 +429,13 @@ def test_a_screenshot_session_shows_and_replays_with_no_backend(tmp_path: Path) 
             assert span == [IMAGE_PAD] * image["length"]
     shown = run_cli("show", str(record_dir)).stdout
     assert f"[image {hashlib.sha256(shots[1]).hexdigest()[:12]} 60×100]" in shown
+    # The token view (mitmweb's, the browser's text) shows an image's run of pads as one line.
+    first = read_session(record_dir, "shown").turns[0]
+    [image] = first.images
+    view = turn_text(turn_tokens(first, cached_tokenizer("qwen2.5")))
+    last = image.offset + image.length - 1
+    assert f"{image.offset:>7}  {IMAGE_PAD:>7}  ⟦<|image_pad|>⟧ × {image.length} (to {last})" in view
+    assert view.count("<|image_pad|>") == 1
     with replay_proxy(record_dir, tmp_path) as proxy:
         for messages, answer in zip(asked, answers, strict=True):
             body = {"model": "m", "messages": messages, "max_tokens": 100}

@@ -140,12 +140,27 @@ def shown_text(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
 
 
+# A run of one special token at least this long is one line (an image's hundreds of <|image_pad|>).
+RUN_SHOWN_WHOLE = 8
+
+
 def _token_lines(run: TokenRun, sampled: bool, turn_version: str | None = None) -> list[str]:
     specials = set(run.special)
     out = []
-    for offset, token in enumerate(run.ids):
+    offset = 0
+    while offset < len(run.ids):
+        token = run.ids[offset]
         text = run.texts[offset] if run.texts is not None else None
         shown = "" if text is None else (f"⟦{text}⟧" if offset in specials else f"“{shown_text(text)}”")
+        if not sampled and offset in specials:
+            end = offset
+            while end < len(run.ids) and run.ids[end] == token:
+                end += 1
+            if end - offset >= RUN_SHOWN_WHOLE:
+                last = run.start + end - 1
+                out.append(f"{run.start + offset:>7}  {token:>7}  {shown} × {end - offset} (to {last})")
+                offset = end
+                continue
         if sampled and run.logprobs is not None:
             logprob = run.logprobs[offset]
             version = run.weight_versions[offset] if run.weight_versions else None
@@ -154,6 +169,7 @@ def _token_lines(run: TokenRun, sampled: bool, turn_version: str | None = None) 
             out.append(f"{run.start + offset:>7}  {shade(logprob)} {logprob:>9.4f}  {token:>7}  {shown}{weights}")
         else:
             out.append(f"{run.start + offset:>7}  {token:>7}  {shown}")
+        offset += 1
     return out
 
 
