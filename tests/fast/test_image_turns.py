@@ -22,7 +22,7 @@ from support.basics import cached_tokenizer, tokenizer_path
 from support.proxy_harness import Mitmdump, post
 from support.tito_commands import redrive, replay_proxy, run_cli
 
-from tito_addon.engine.vision_tokens import QWEN2_5_VL
+from tito_addon.engine.vision_tokens import QWEN2_5_VL, QWEN3_VL
 from tito_addon.records.record_reader import read_session
 from tito_addon.records.turn_tokens import turn_text, turn_tokens
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
@@ -508,3 +508,52 @@ def test_redrive_scores_a_screenshot_session_with_its_images(tmp_path: Path) -> 
         assert all(turn["kl_estimate"] == pytest.approx(shift) for turn in report["turns"])
         assert [len(body["image_data"]) for body in bodies] == [1, 2]
         assert [body["input_ids"].count(IMAGE_PAD) for body in bodies] == [1, 2]
+
+
+def test_qwen3_vl_screenshots_in_tool_results_are_token_exact(tmp_path: Path) -> None:
+    """The qwen3-vl family (Qwen3-VL's own template: images in tool results, inside <tool_response>) on a vLLM
+    0.32 replica serving that template and Qwen3-VL's processor bounds (patch 16): an Anthropic agent whose tool
+    returns a new screenshot each turn."""
+    import anthropic
+
+    template = TEMPLATE.parent / "qwen3_vl_instruct.jinja"
+    config = VllmReplicaConfig(
+        tokenizer=tokenizer_path("qwen3"), vision="qwen3-vl", chat_template=str(template),
+        served_model_name="tiny-qwen3-vl", reasoning_parser=False,
+    )  # fmt: skip
+    record_dir = tmp_path / "rec"
+    shots = [png(320, 240, (1, 2, 3)), png(200, 100, (4, 5, 6)), png(64, 300, (7, 8, 9))]
+
+    def block(data: bytes) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(data).decode()}}  # fmt: skip
+
+    options = {"tito_backend_kind": "vllm"}
+    with (
+        VllmReplicaThread(config) as replica,
+        Mitmdump(replica.url, tokenizer=tokenizer_path("qwen3"), family="qwen3-vl", record_dir=record_dir,
+                 cwd=tmp_path, options=options) as proxy,
+    ):  # fmt: skip
+        client = anthropic.Anthropic(base_url=proxy.url, api_key="k", default_headers={"x-session-id": "q3"})
+        tools = [{"name": "screenshot", "description": "Take one.", "input_schema": {"type": "object"}}]
+        messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "Watch:"}, block(shots[0])]}]
+        for shot in shots[1:]:
+            reply = client.messages.create(model="tiny-qwen3-vl", max_tokens=200, messages=messages, tools=tools)
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+            calls = [b for b in reply.content if b.type == "tool_use"]
+            results = [{"type": "tool_result", "tool_use_id": c.id, "content": [block(shot)]} for c in calls]
+            messages.append({"role": "user", "content": results or [block(shot)]})
+        client.messages.create(model="tiny-qwen3-vl", max_tokens=200, messages=messages, tools=tools)
+        generated = replica.generated()
+    recorded = read_session(record_dir, "q3")
+    assert recorded is not None and len(recorded.turns) == len(generated) == 3
+    ids = recorded.full_ids()
+    for index, (run, turn) in enumerate(zip(generated, recorded.turns, strict=True)):
+        assert run["prompt_ids"] == ids[turn.turn_id][0] and run["completion_ids"] == turn.completion_ids
+        assert [image["sha256"] for image in run["images"]] == [
+            hashlib.sha256(shot).hexdigest() for shot in shots[: index + 1]
+        ]
+    # Qwen3-VL counts 32-pixel squares (patch 16, merge 2) at its own bounds (65,536 pixels at least).
+    counted = [image.length for turn in recorded.turns for image in turn.images or []]
+    assert counted == [QWEN3_VL.image_tokens(*Image.open(io.BytesIO(shot)).size) for shot in shots]
+    assert recorded.turns[0].render_skew is not None and recorded.turns[0].render_skew["equal"] is True
