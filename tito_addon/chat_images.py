@@ -215,3 +215,31 @@ class PromptImage:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+_MEDIA_KEYS = ("media_type", "mimeType", "mime_type")
+
+
+def without_image_data(value: Any) -> Any:
+    """`value` (an agent's items, as its API sent them) with each inline image's bytes replaced by `sha256:<digest>`,
+    for a record line: an image is kept once, in the record dir's image store, never in a line. Finds a data URL
+    anywhere, and base64 `data` beside a media type (Anthropic's `source`, Gemini's `inlineData`)."""
+    if isinstance(value, str):
+        if value.startswith("data:") and ";base64," in value[:128]:
+            return _digest_of(value.split(",", 1)[1])
+        return value
+    if isinstance(value, list):
+        return [without_image_data(item) for item in value]
+    if isinstance(value, dict):
+        out = {key: without_image_data(item) for key, item in value.items()}
+        if isinstance(value.get("data"), str) and any(isinstance(value.get(key), str) for key in _MEDIA_KEYS):
+            out["data"] = _digest_of(value["data"])
+        return out
+    return value
+
+
+def _digest_of(text: str) -> str:
+    try:
+        return "sha256:" + hashlib.sha256(decode_base64(text)).hexdigest()
+    except (ImageRefused, UnicodeEncodeError):
+        return "(image data left out)"

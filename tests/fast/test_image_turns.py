@@ -319,6 +319,11 @@ def check_images(stack: Stack, session: str, shots: list[bytes], before: int) ->
     assert sorted(img.sha256 for line in turns for img in line.images or []) == sorted(digests)
     for digest, shot in zip(digests, shots, strict=True):
         assert (stack.record_dir / "images" / f"{digest}.png").read_bytes() == shot
+    # A line names an image by its digest, in the canonical messages and in the agent's own items alike.
+    raw = "".join(path.read_text() for path in stack.record_dir.glob(f"{session}*.jsonl"))
+    for digest, shot in zip(digests, shots, strict=True):
+        assert base64.b64encode(shot).decode()[:40] not in raw
+        assert base64.urlsafe_b64encode(shot).decode()[:40] not in raw
 
 
 def test_anthropic_images_in_a_message_and_in_tool_results(stack: Stack) -> None:

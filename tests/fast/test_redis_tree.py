@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tito_addon.chat_images import ImageSpan
 from tito_addon.sessions.path_keys import ROOT, extend
 from tito_addon.sessions.redis_sessions import RedisSessions
 from tito_addon.sessions.redis_tree import RedisTree, StoredTurn
@@ -109,6 +110,9 @@ def test_identical_first_requests_join_one_automatic_session(redis_url) -> None:
     assert other[0] != group[0][0], "the same prompt to another model is another experiment"
 
 
+IMAGE = ImageSpan(sha256="ab" * 32, format="png", width=640, height=480, offset=3, length=391)
+
+
 def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> None:
     prefix = uuid.uuid4().hex
     keys = [os.urandom(16) for _ in range(4)]
@@ -125,7 +129,8 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
             _, turn = await claim(writer, sid, parent_turn_id=turn0, create=False)
             await commit(writer, sid, turn, automatic=True, keys=keys[2:], path=second_path, parent=turn0,
                                          chain=(turn0,), end=4, prompt_added_ids=[9], completion_ids=[10],
-                                         chat_template_kwargs={"x": 1}, routed_experts_through=5)  # fmt: skip
+                                         chat_template_kwargs={"x": 1}, routed_experts_through=5,
+                                         images=(IMAGE,))  # fmt: skip
         state, found = await reader.lookup(None, "ns", [first_path, second_path, extend(ROOT, keys[:3])])
         node = await reader.node(sid, 2)
         shared = RedisSessions(reader)
@@ -152,6 +157,7 @@ def test_committed_turns_are_found_by_path_and_read_back_exactly(redis_url) -> N
     assert list(node.turn.prompt_added_ids) == [9] and node.parent_turn_id == 0 and node.chain == (0,)
     assert node.turn.chat_template_kwargs == {"x": 1} and node.turn.message_end == 4
     assert node.turn.routed_experts_through == 5  # (a child asks for its MoE routes from there)
+    assert node.turn.images == (IMAGE,)  # (the images its prompt added, and where their pads lie)
     assert node.turn.segment_keys == tuple(keys[2:])
     mirror = first[(sid, 2)]
     assert mirror.parent is not None and list(mirror.parent.turn.prompt_added_ids) == big, (

@@ -15,7 +15,7 @@ import orjson
 from tito_addon.backends.backend_protocol import BackendResult
 from tito_addon.backends.expert_routes import TurnRoutes
 from tito_addon.canonical_chat import ChatMessage
-from tito_addon.chat_images import ChatImage
+from tito_addon.chat_images import ChatImage, without_image_data
 from tito_addon.engine.token_engine import TokenEngine
 from tito_addon.records.record_models import TURN_SCHEMA, TurnRecord, without_defaults
 from tito_addon.records.stored_turns import turn_of
@@ -149,7 +149,7 @@ def completed_turn(
         "ambiguous_parent": prepared.attachment.ambiguous and parent is not None,
         "api": prepared.route.api.name,
         "reply_id": reply_id or None,
-        "appended_items": (prepared.agent.appended_items(first_appended) or None) if record_message_text else None,
+        "appended_items": appended_items(prepared, first_appended) if record_message_text else None,
         "left_out": prepared.agent.dropped or None,
         "render_skew": result.extra.get("render_skew"),
         "backend_version": result.extra.get("backend_version"),
@@ -178,6 +178,13 @@ def completed_turn(
     images = tuple(placed.part.image for placed in prepared.piece.images if placed.part.image is not None)
     routes = rows.array.tobytes() if rows is not None else None
     return CompletedTurn(session_id, turn_id, fields, turn, routes, images)
+
+
+def appended_items(prepared: PreparedTurn, first_appended: int) -> list[dict[str, Any]] | None:
+    """The appended items in the agent's own form; where the prompt holds images, each image's bytes are its digest
+    (the image store keeps them once; a line never holds one)."""
+    items = prepared.agent.appended_items(first_appended) or None
+    return without_image_data(items) if items and prepared.piece.images else items
 
 
 def routes_fields(routes: TurnRoutes | None) -> dict[str, Any]:
