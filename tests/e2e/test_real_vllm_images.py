@@ -11,16 +11,15 @@ TITO_E2E_REQUIRED=1 (CI).
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
 import json
 from pathlib import Path
 
 import openai
 import pytest
-from PIL import Image
 from support.basics import tokenizer_path
+from support.images import IMAGE_PAD, png
+from support.images import image_url_part as part
 from support.proxy_harness import Mitmdump
 from support.upstream_tap import UpstreamTap
 from support.vllm_cpu_server import VL_VENV, VllmCpuServer, require_venv
@@ -28,7 +27,6 @@ from support.vllm_cpu_server import VL_VENV, VllmCpuServer, require_venv
 from tito_addon.records.record_reader import read_session
 
 pytestmark = pytest.mark.e2e
-IMAGE_PAD = 151655
 TOOLS = [{"type": "function", "function": {"name": "click", "description": "Click.", "parameters": {"type": "object"}}}]
 
 
@@ -41,16 +39,6 @@ def vllm_vl(tmp_path_factory):
         yield server.url
     finally:
         server.stop()
-
-
-def png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, format="PNG")
-    return out.getvalue()
-
-
-def part(data: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
 
 
 def generate_body(call: dict) -> dict:

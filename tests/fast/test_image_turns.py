@@ -19,6 +19,8 @@ import openai
 import pytest
 from PIL import Image
 from support.basics import cached_tokenizer, tokenizer_path
+from support.images import IMAGE_PAD, png, screenshot_session
+from support.images import image_url_part as shot_part
 from support.proxy_harness import Mitmdump, post
 from support.tito_commands import redrive, replay_proxy, run_cli
 
@@ -28,7 +30,6 @@ from tito_addon.records.turn_tokens import turn_text, turn_tokens
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
 
-IMAGE_PAD = 151655
 TEMPLATE = Path(__file__).resolve().parents[2] / "tito_addon/engine/chat_templates/qwen2_5_vl_tools.jinja"
 BACKENDS = ["sglang-0.5.23", "vllm-0.32.0", "vllm-0.24.0"]
 TOOLS = [
@@ -37,16 +38,6 @@ TOOLS = [
         "function": {"name": "click", "description": "Click at a point.", "parameters": {"type": "object"}},
     }
 ]
-
-
-def png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, format="PNG")
-    return out.getvalue()
-
-
-def shot_part(data: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
 
 
 def hf_tokens(data: bytes) -> int:
@@ -321,7 +312,7 @@ def check_images(stack: Stack, session: str, shots: list[bytes], before: int) ->
         assert (stack.record_dir / "images" / f"{digest}.png").read_bytes() == shot
     # A line names an image by its digest, in the canonical messages and in the agent's own items alike.
     raw = "".join(path.read_text() for path in stack.record_dir.glob(f"{session}*.jsonl"))
-    for digest, shot in zip(digests, shots, strict=True):
+    for shot in shots:
         assert base64.b64encode(shot).decode()[:40] not in raw
         assert base64.urlsafe_b64encode(shot).decode()[:40] not in raw
 
@@ -408,24 +399,8 @@ def test_gemini_inline_data_in_a_content_and_in_a_function_response(stack: Stack
 def test_a_screenshot_session_shows_and_replays_with_no_backend(tmp_path: Path) -> None:
     """`show --json` names every image of each turn's prompt where its ids hold it; replay answers the same
     screenshots with the recorded answers, and another screenshot is a miss at the message that holds it."""
-    record_dir = tmp_path / "rec"
-    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
-    config = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl")
     shots = [png(100, 60, (10, 20, 30)), png(60, 100, (30, 20, 10))]
-    asked: list[list[dict]] = []
-    answers = []
-    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=tmp_path, **settings) as proxy:
-        client = openai.OpenAI(
-            base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": "shown"}, max_retries=0
-        )
-        messages: list[dict] = []
-        for shot in shots:
-            messages.append({"role": "user", "content": [shot_part(shot), {"type": "text", "text": "And now?"}]})
-            asked.append(list(messages))
-            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=100)
-            answers.append(reply.choices[0].message.content)
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-        assert len(replica.generated()) == 2
+    record_dir, asked, answers = screenshot_session(tmp_path, "shown", shots)
     rows = [json.loads(line) for line in run_cli("show", str(record_dir), "--json").stdout.splitlines()]
     for row, count in zip(rows, (1, 2), strict=True):
         assert [image["sha256"] for image in row["images"]] == [hashlib.sha256(s).hexdigest() for s in shots[:count]]
@@ -491,19 +466,8 @@ def test_export_rows_carry_each_image_where_the_ids_hold_it(stack: Stack, tmp_pa
 def test_redrive_scores_a_screenshot_session_with_its_images(tmp_path: Path) -> None:
     """sglang scores the recorded ids with one pad per image and every image, and its expansion is the recorded
     one: under the checkpoint that sampled them the gap is zero, under a shifted one it is the shift."""
-    record_dir = tmp_path / "rec"
-    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
-    config = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl")
     shots = [png(90, 50, (1, 1, 1)), png(50, 90, (2, 2, 2))]
-    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=tmp_path, **settings) as proxy:
-        client = openai.OpenAI(
-            base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": "scored"}, max_retries=0
-        )
-        messages: list[dict] = []
-        for shot in shots:
-            messages.append({"role": "user", "content": [shot_part(shot), {"type": "text", "text": "Next?"}]})
-            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=100)
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+    record_dir, _, _ = screenshot_session(tmp_path, "scored", shots, text="Next?")
     for shift in (0.0, 0.5):
         newer = ReplicaConfig(tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl", checkpoint_shift=shift)
         with ReplicaThread(newer) as scorer:

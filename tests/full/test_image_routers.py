@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 from pathlib import Path
 
 import openai
 import pytest
 import requests
-from PIL import Image
 from support.basics import tokenizer_path
+from support.images import png
 from support.proxy_harness import Mitmdump
 
 from tito_addon.records.record_reader import read_session
@@ -33,12 +32,6 @@ from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThrea
 pytestmark = [pytest.mark.full]
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "tito_addon/engine/chat_templates/qwen2_5_vl_tools.jinja"
-
-
-def png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, format="PNG")
-    return out.getvalue()
 
 
 def engine(kind: str):

@@ -65,7 +65,7 @@ from tito_addon.backends.sglang_generate import (
 )
 from tito_addon.backends.sglang_parse_routes import CompletionParser, SglangServer, StitchedText, ask_server
 from tito_addon.backends.stream_accumulator import MessageAccumulator, clean_delta_chunk
-from tito_addon.backends.upstream_client import UpstreamClient, dumps
+from tito_addon.backends.upstream_client import UpstreamClient, UpstreamResponse, dumps
 from tito_addon.canonical_chat import ChatRequest
 from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 
@@ -88,6 +88,16 @@ def asked_routes(turn: BackendTurn) -> dict[str, Any]:
     if turn.routes is None:
         return {}
     return {"return_routed_experts": True, "routed_experts_start_len": turn.routes.start}
+
+
+def answer_of(response: UpstreamResponse, who: str) -> Any:
+    """A 200 answer's JSON; any other status is passed on to the agent as the backend's own."""
+    if response.status != 200:
+        raise UpstreamPassthrough(response.status, response.body, response.content_type)
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise UpstreamMalformed(f"{who} answered 200 with a body that is not JSON") from exc
 
 
 class SglangBackend:
@@ -288,13 +298,7 @@ class SglangBackend:
         response = await self.client.post_bytes(
             turn.base_url + turn.chat_path, with_input_ids(body, pieces), turn.headers, turn.failover
         )
-        if response.status != 200:
-            raise UpstreamPassthrough(response.status, response.body, response.content_type)
-        try:
-            answer = response.json()
-        except ValueError as exc:
-            raise UpstreamMalformed("backend answered 200 with a body that is not JSON") from exc
-        return checked_attempt(answer, prompt_ids, echo)
+        return checked_attempt(answer_of(response, "backend"), prompt_ids, echo)
 
     async def run_turn(self, turn: BackendTurn) -> BackendResult:
         if turn.images:
@@ -337,13 +341,7 @@ class SglangBackend:
             while (body := generate_body(turn, stitched, turn.sampling_defaults)) is not None:
                 prompt_ids = stitched.attempt_prompt()
                 response = await self.client.post_json(turn.base_url + GENERATE_PATH, body, turn.headers, turn.failover)
-                if response.status != 200:
-                    raise UpstreamPassthrough(response.status, response.body, response.content_type)
-                try:
-                    answer = response.json()
-                except ValueError as exc:
-                    raise UpstreamMalformed("sglang /generate answered 200 with a body that is not JSON") from exc
-                last = generate_attempt(answer, turn, prompt_ids)
+                last = generate_attempt(answer_of(response, "sglang /generate"), turn, prompt_ids)
                 first = first or last
                 stitched.read_routes(read_sglang, last.routes_text, len(last.ids), last.aborted)
                 if not last.aborted:
