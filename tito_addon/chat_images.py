@@ -134,8 +134,8 @@ def image_from_url(url: Any) -> ChatImage:
     if match is None:
         scheme = url.split(":", 1)[0] if ":" in url[:16] else url[:16]
         raise ImageRefused(
-            f"image URLs are read only as data: URLs (base64); the proxy fetches nothing, so a {scheme!r} URL is "
-            "refused: send the image inline"
+            f"image URLs are read only as data: URLs (base64); the proxy fetches nothing unless tito_image_fetch is "
+            f"on, so a {scheme!r} URL is refused: send the image inline"
         )
     params = [p.strip().lower() for p in match.group("params").split(";") if p.strip()]
     if "base64" not in params:

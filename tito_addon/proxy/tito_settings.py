@@ -163,6 +163,11 @@ class TitoSettings(BaseModel):
         "family's own (Qwen2.5-VL 12845056, Qwen3-VL 16777216).",
         ge=0,
     )
+    image_fetch: bool = option(
+        False,
+        "Fetch the images agents give by http(s) URL (once per URL, kept in memory) and pass them on inline, counted "
+        "and recorded like any image. Off: such an image is a 400, and nobody fetches it.",
+    )
     images_max: int = option(
         100,
         "Images a request may hold, its whole history counted (each is sent to the engine every turn); more is a "

@@ -33,6 +33,7 @@ from tito_addon.sessions.memory_sessions import MemorySessions
 from tito_addon.sessions.redis_sessions import RedisSessions
 from tito_addon.sessions.session_space import SessionSpace
 from tito_addon.tito_errors import TitoError
+from tito_addon.turns.image_fetching import ImageFetcher
 from tito_addon.turns.session_records import SessionRecords
 from tito_addon.turns.turn_run import TurnsInFlight
 from tito_addon.turns.turn_service import TurnService
@@ -67,6 +68,7 @@ class TurnWiring:
         self.in_flight = TurnsInFlight()  # the same
         self.client = UpstreamClient()
         self.prefixes = EncodedPrefixes()
+        self.image_fetcher = ImageFetcher()  # the same: a URL fetched once stays that image
         self.memory = MemorySessions()
         self.redis: RedisSessions | None = None
         self.retired: list[RedisSessions] = []  # stores a reconfiguration left, for the shell to close
@@ -144,6 +146,7 @@ class TurnWiring:
             in_flight=self.in_flight,
             routed_experts=RoutesWanted(settings.route_shape) if settings.routed_experts else None,
             images_max=settings.images_max,
+            image_fetcher=self.image_fetcher if settings.image_fetch else None,
         )
         self.settings, self.engine = settings, engine
         tune_collector(settings.gc_threshold)

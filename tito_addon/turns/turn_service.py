@@ -39,6 +39,7 @@ from tito_addon.sessions.session_tree import Attachment
 from tito_addon.tito_errors import BadRequest, TitoError
 from tito_addon.turns.completion_budget import fit_completion_budget
 from tito_addon.turns.episode_places import EpisodePlace, Follows, continuation_place, interrupted_call
+from tito_addon.turns.image_fetching import ImageFetcher
 from tito_addon.turns.live_stream import LiveStream
 from tito_addon.turns.prompt_images import prompt_images
 from tito_addon.turns.session_records import SessionRecords
@@ -102,6 +103,7 @@ class TurnService:
         in_flight: TurnsInFlight | None = None,
         routed_experts: RoutesWanted | None = None,
         images_max: int = 100,
+        image_fetcher: ImageFetcher | None = None,
     ) -> None:
         """`sessions`: where sessions live (this process, or a store several proxies share). `after_close`: what a
         request naming a session its driver closed gets: `refuse` (410) or a `new` tree. `router_key`: the header an
@@ -110,6 +112,7 @@ class TurnService:
         `routed_experts`: ask the backend for every turn's MoE routes (of a model of that shape, where known)."""
         self.routed_experts = routed_experts
         self.images_max = images_max
+        self.image_fetcher = image_fetcher  # None: an image given by URL is refused (`tito_image_fetch`)
         # The model's recommended sampling params, for backend calls whose server does not apply them (sglang's
         # /generate, where its chat endpoint would).
         self.sampling_defaults = sampling_defaults(engine.tokenizer_name)
@@ -186,6 +189,8 @@ class TurnService:
         episode: str | None = None,
     ) -> PreparedTurn:
         """Validate a request and decide its prompt, wherever the sessions live."""
+        if self.image_fetcher is not None:
+            body = await self.image_fetcher.inlined(body)
         parsed = self._parse(path, headers, body, base_url, route, episode)
         if parsed.agent.previous_response_id is not None:
             attachment = await self.sessions.continued(parsed.agent.previous_response_id, parsed.session_id)
