@@ -31,7 +31,7 @@ try:
     from tito_addon.trainers.row_images import image_inputs, media_images
 except ImportError:  # run as a copied file beside row_files.py
     from row_files import Rows, read_rows, require_columns, routes_array  # type: ignore[no-redef]
-    from row_images import image_inputs, media_images  # type: ignore[no-redef]
+    from row_images import image_inputs, media_images  # type: ignore[no-redef,import-not-found]
 
 SLIME_COLUMNS = ("group_index", "index", "rollout_id", "prompt", "tokens", "response", "response_length",
                  "loss_mask", "rollout_log_probs", "status", "reward", "padded")  # fmt: skip

@@ -29,7 +29,7 @@ try:
     from tito_addon.trainers.row_images import image_inputs, media_images
 except ImportError:  # a copied file beside row_files.py
     from row_files import Rows, read_rows, require_columns, routes_array  # type: ignore[no-redef]
-    from row_images import image_inputs, media_images  # type: ignore[no-redef]
+    from row_images import image_inputs, media_images  # type: ignore[no-redef,import-not-found]
 
 VERL_COLUMNS = ("uid", "prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores", "reward_score",
                 "__num_turns__", "episode", "rollout_id", "index", "segment", "call", "padded")  # fmt: skip
@@ -167,7 +167,7 @@ def rope_positions(
 ) -> Any:
     """`position_ids` `(bs, 4, L)`: each row's text positions over its tokens, then its three M-RoPE rows from verl's
     own Qwen2-VL `get_rope_index` (`verl/models/transformers/qwen2_vl.py`), as `_compute_position_ids` stacks them."""
-    from verl.models.transformers.qwen2_vl import get_rope_index
+    from verl.models.transformers.qwen2_vl import get_rope_index  # type: ignore[import-not-found]
 
     rows = []
     for i, found in enumerate(inputs):
