@@ -134,5 +134,6 @@ class ImageFetcher:
             raise BadRequest(
                 f"the image at {url[:200]} is over the {MAX_IMAGE_BYTES}-byte limit; nothing was forwarded"
             )
-        logger.info("tito: fetched an image of %d bytes from %s", len(data), url[:200])
+        # (Without its query: a presigned URL carries its credentials there.)
+        logger.info("tito: fetched an image of %d bytes from %s", len(data), url.split("?", 1)[0][:200])
         return bytes(data)
