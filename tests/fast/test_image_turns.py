@@ -526,3 +526,49 @@ def test_qwen3_vl_screenshots_in_tool_results_are_token_exact(tmp_path: Path) ->
     counted = [image.length for turn in recorded.turns for image in turn.images or []]
     assert counted == [QWEN3_VL.image_tokens(*Image.open(io.BytesIO(shot)).size) for shot in shots]
     assert recorded.turns[0].render_skew is not None and recorded.turns[0].render_skew["equal"] is True
+
+
+def test_an_sglang_image_turn_cut_by_a_weight_update_is_resumed_exactly(tmp_path: Path) -> None:
+    """A trainer's `/update_weight_version` aborts an image turn's generation midway: the proxy sends the rest as a
+    new `/generate` on the prompt and the partial output, the image again beside it, and records one generation,
+    the one an uncut turn gives, with the versions each part was sampled under."""
+    import time as clock
+
+    from support.weight_updates import during
+
+    config = ReplicaConfig(
+        tokenizer=tokenizer_path("qwen2.5"), vision="qwen2.5-vl", token_delay_s=0.02, answer_sentences=2
+    )
+    record_dir = tmp_path / "rec"
+    settings = {"tokenizer": tokenizer_path("qwen2.5"), "family": "qwen2.5-vl", "record_dir": record_dir}
+    shot = png(96, 64, (9, 8, 7))
+    messages = [{"role": "user", "content": [shot_part(shot), {"type": "text", "text": "Describe it."}]}]
+
+    def ask(proxy: Mitmdump, session: str) -> str | None:
+        client = openai.OpenAI(
+            base_url=proxy.url + "/v1", api_key="k", default_headers={"x-session-id": session}, max_retries=0
+        )
+        return client.chat.completions.create(model="m", messages=messages, max_tokens=300).choices[0].message.content
+
+    with ReplicaThread(config) as replica, Mitmdump(replica.url, cwd=tmp_path, **settings) as proxy:
+        uncut_answer = ask(proxy, "uncut")
+        replica.backend.reset()
+        thread, out = during(ask, proxy, "cut")
+        deadline = clock.monotonic() + 20
+        while not any(len(g.labels) >= 10 for g in list(replica.backend.pause.in_flight.values())):
+            assert clock.monotonic() < deadline, "the generation never got going"
+            clock.sleep(0.005)
+        assert post(replica.url + "/update_weight_version", json={"new_version": "v2"}).status_code == 200
+        thread.join(60)
+        attempts = replica.backend.generated_copy()
+    assert "error" not in out, out.get("error")
+    assert out["value"] == uncut_answer
+    [uncut] = read_session(record_dir, "uncut").turns
+    [turn] = read_session(record_dir, "cut").turns
+    assert turn.completion_ids == uncut.completion_ids and turn.completion_logprobs == uncut.completion_logprobs
+    first, second = attempts
+    cut = len(first["completion_ids"])
+    assert turn.resumed is not None and turn.resumed.cuts == [cut] and 10 <= cut < len(turn.completion_ids)
+    assert second["prompt_ids"] == first["prompt_ids"] + turn.completion_ids[:cut]
+    assert [i["sha256"] for i in first["images"]] == [i["sha256"] for i in second["images"]] == [turn.images[0].sha256]
+    assert [span["version"] for span in turn.weight_version_spans or []] == ["default", "v2"]
