@@ -53,6 +53,8 @@ class SessionFile:
     withdrawn: list[TurnWithdrawnRecord] = field(default_factory=list)
     # Rewards, labels and metadata a driver attached (in the order written; across parts by time).
     annotations: list[AnnotationRecord] = field(default_factory=list)
+    # `sequence_images`' answer and the number of turns it was worked out for.
+    _images: tuple[int, dict[int, list[RecordedImage]]] | None = field(default=None, repr=False, compare=False)
 
     def drop_withdrawn(self) -> None:
         gone = {w.turn_id for w in self.withdrawn}
@@ -125,12 +127,15 @@ class SessionFile:
         return out
 
     def sequence_images(self) -> dict[int, list[RecordedImage]]:
-        """turn_id -> every image its prompt holds (its chain's, in order), as the lines name them."""
-        out: dict[int, list[RecordedImage]] = {}
-        for turn in self.turns:  # parents first
-            inherited = out.get(turn.parent_turn_id, []) if turn.parent_turn_id is not None else []
-            out[turn.turn_id] = inherited + list(turn.images or ())
-        return out
+        """turn_id -> every image its prompt holds (its chain's, in order), as the lines name them; worked out once (an
+        export asks for each of its rows)."""
+        if self._images is None or self._images[0] != len(self.turns):
+            out: dict[int, list[RecordedImage]] = {}
+            for turn in self.turns:  # parents first
+                inherited = out.get(turn.parent_turn_id, []) if turn.parent_turn_id is not None else []
+                out[turn.turn_id] = inherited + list(turn.images or ())
+            self._images = (len(self.turns), out)
+        return self._images[1]
 
 
 def read_session_file(path: Path) -> SessionFile:

@@ -76,9 +76,12 @@ class TurnNode:
     # The ids up to the end of its completion: held, since a node and its ancestors never change, so the next turn's
     # prompt does not walk the path to its root.
     end_len: int = field(init=False)
+    # Whether its sequence holds an image: a text session's turn never walks its chain for them.
+    holds_images: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.end_len = (self.parent.end_len if self.parent is not None else 0) + self.turn.tokens
+        self.holds_images = bool(self.turn.images) or (self.parent is not None and self.parent.holds_images)
 
     @property
     def message_end(self) -> int:
@@ -102,10 +105,10 @@ class TurnNode:
         return out.tolist()
 
     def image_spans(self) -> list[ImageSpan]:
-        """The images of its whole sequence, in order (most sequences hold none: a walk over tuples)."""
+        """The images of its whole sequence, in order."""
         spans: list[ImageSpan] = []
         node: TurnNode | None = self
-        while node is not None:
+        while node is not None and node.holds_images:  # (none before the first turn that added one)
             spans[:0] = node.turn.images
             node = node.parent
         return spans
