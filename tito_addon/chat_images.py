@@ -14,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,14 +71,49 @@ class ChatImage:
         return hash(self.sha256)
 
 
-def image_from_bytes(data: bytes, declared_type: str | None = None) -> ChatImage:
-    """The image these bytes are, or `ImageRefused`. A declared media type must name an image format the engines
-    decode; the bytes decide which one it is (a client that labels a JPEG `image/png` is read as the JPEG it is)."""
+class RecentImages:
+    """Images read lately, by the text they were read from (a data URL, or bare base64), within a budget of their
+    bytes. One request reads a new image in more than one place: an API's translation checks it in the agent's own
+    terms, the canonical form reads its data URL, the record names it by digest. Each reads the same text, so the
+    image is decoded, checked and digested once (a PNG's check inflates all of its rows)."""
+
+    def __init__(self, budget_bytes: int = 64 * 1024 * 1024) -> None:
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._images: OrderedDict[str, ChatImage] = OrderedDict()
+
+    def get(self, text: str) -> ChatImage | None:
+        image = self._images.get(text)
+        if image is not None:
+            self._images.move_to_end(text)
+        return image
+
+    def put(self, text: str, image: ChatImage) -> ChatImage:
+        if text not in self._images:
+            self._images[text] = image
+            self.used_bytes += len(image.data)
+            while self.used_bytes > self.budget_bytes and len(self._images) > 1:
+                _, dropped = self._images.popitem(last=False)
+                self.used_bytes -= len(dropped.data)
+        return image
+
+
+RECENT_IMAGES = RecentImages()
+
+
+def check_declared(declared_type: str | None) -> None:
+    """A declared media type must name an image format the engines decode (the bytes say which one it is)."""
     if declared_type is not None and declared_type.strip().lower() not in MEDIA_TYPES:
         raise ImageRefused(
             f"media type {declared_type!r} is not an image the proxy passes on (use one of "
             f"{', '.join(sorted({f.media_type for f in MEDIA_TYPES.values()}))})"
         )
+
+
+def image_from_bytes(data: bytes, declared_type: str | None = None) -> ChatImage:
+    """The image these bytes are, or `ImageRefused`. A declared media type must name an image format the engines
+    decode; the bytes decide which one it is (a client that labels a JPEG `image/png` is read as the JPEG it is)."""
+    check_declared(declared_type)
     if len(data) > MAX_IMAGE_BYTES:
         raise ImageRefused(f"an image of {len(data)} bytes is over the {MAX_IMAGE_BYTES}-byte limit")
     try:
@@ -116,13 +152,17 @@ def decode_base64(text: str | bytes) -> bytes:
 def image_from_base64(text: Any, declared_type: str | None = None) -> ChatImage:
     if not isinstance(text, str) or not text:
         raise ImageRefused("an image's data must be a non-empty base64 string")
+    known = RECENT_IMAGES.get(text)
+    if known is not None:
+        check_declared(declared_type)
+        return known
     if len(text) > MAX_IMAGE_BYTES * 4 // 3 + 1024:
         raise ImageRefused(f"an image's base64 data of {len(text)} characters is over the {MAX_IMAGE_BYTES}-byte limit")
     try:
         data = decode_base64(text)
     except UnicodeEncodeError:
         raise ImageRefused("the image's base64 data is not valid base64") from None
-    return image_from_bytes(data, declared_type)
+    return RECENT_IMAGES.put(text, image_from_bytes(data, declared_type))
 
 
 def image_from_url(url: Any) -> ChatImage:
@@ -130,6 +170,9 @@ def image_from_url(url: Any) -> ChatImage:
     recorded prompt depend on what a server answered at that moment, and the engine would fetch it again."""
     if not isinstance(url, str) or not url:
         raise ImageRefused("an image URL must be a non-empty string")
+    known = RECENT_IMAGES.get(url)
+    if known is not None:
+        return known
     match = _DATA_URL.match(url)
     if match is None:
         scheme = url.split(":", 1)[0] if ":" in url[:16] else url[:16]
@@ -141,7 +184,7 @@ def image_from_url(url: Any) -> ChatImage:
     if "base64" not in params:
         raise ImageRefused("a data: URL image must be base64-encoded (data:<type>;base64,...)")
     declared = match.group("type").strip() or None
-    return image_from_base64(url[match.end() :], declared)
+    return RECENT_IMAGES.put(url, image_from_base64(url[match.end() :], declared))
 
 
 class ImagePart(BaseModel):
@@ -226,20 +269,24 @@ def without_image_data(value: Any) -> Any:
     anywhere, and base64 `data` beside a media type (Anthropic's `source`, Gemini's `inlineData`)."""
     if isinstance(value, str):
         if value.startswith("data:") and ";base64," in value[:128]:
-            return _digest_of(value.split(",", 1)[1])
+            return _digest_of(value, value.split(",", 1)[1])
         return value
     if isinstance(value, list):
         return [without_image_data(item) for item in value]
     if isinstance(value, dict):
         out = {key: without_image_data(item) for key, item in value.items()}
         if isinstance(value.get("data"), str) and any(isinstance(value.get(key), str) for key in _MEDIA_KEYS):
-            out["data"] = _digest_of(value["data"])
+            out["data"] = _digest_of(value["data"], value["data"])
         return out
     return value
 
 
-def _digest_of(text: str) -> str:
+def _digest_of(text: str, payload: str) -> str:
+    """The digest of the image `text` holds (`payload`: its base64): found among the images just read, as a rule."""
+    known = RECENT_IMAGES.get(text)
+    if known is not None:
+        return "sha256:" + known.sha256
     try:
-        return "sha256:" + hashlib.sha256(decode_base64(text)).hexdigest()
+        return "sha256:" + hashlib.sha256(decode_base64(payload)).hexdigest()
     except (ImageRefused, UnicodeEncodeError):
         return "(image data left out)"

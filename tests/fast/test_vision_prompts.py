@@ -234,3 +234,21 @@ def test_an_image_is_its_bytes() -> None:
     part = ImagePart.of(image)
     assert part.image is image and part.format == "png" and image.file_name == f"{image.sha256}.png"
     assert base64.b64decode(image.data_url().split(",", 1)[1]) == data
+
+
+def test_an_agents_image_is_read_once_however_many_places_read_it(monkeypatch) -> None:
+    """An Anthropic image block is checked in the agent's terms, read again as the canonical form's data URL, and
+    named by digest in the record: one decode and check of its bytes for all three."""
+    from tito_addon import chat_images
+    from tito_addon.protocols.image_parts import inline_image_part
+
+    reads = []
+    real = chat_images.read_image
+    monkeypatch.setattr(chat_images, "read_image", lambda data, **kw: reads.append(len(data)) or real(data, **kw))
+    data = base64.b64encode(png(61, 47, (1, 61, 47))).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    part = inline_image_part(data, "image/png", "messages.0.content.0")
+    message = ChatMessage.model_validate({"role": "user", "content": [part]})
+    recorded = chat_images.without_image_data([block])
+    assert len(reads) == 1
+    assert recorded[0]["source"]["data"] == "sha256:" + message.images()[0].sha256

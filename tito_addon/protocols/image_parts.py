@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tito_addon.chat_images import ImageRefused, image_from_base64
+from tito_addon.chat_images import RECENT_IMAGES, ImageRefused, image_from_base64
 from tito_addon.tito_errors import BadRequest
 
 #: Google's Python SDK writes URL-safe base64; engines read the standard alphabet (vLLM's data URLs are decoded with
@@ -28,13 +28,15 @@ def inline_image_part(data: Any, media_type: Any, where: str) -> dict[str, Any]:
     if not isinstance(media_type, str) or not media_type:
         raise BadRequest(f"{where}: an image needs its media type; nothing was forwarded")
     try:
-        image_from_base64(data, media_type)
+        image = image_from_base64(data, media_type)
     except ImageRefused as exc:
         raise BadRequest(f"{where}: {exc}; nothing was forwarded") from None
     assert isinstance(data, str)
     if "-" in data or "_" in data:
         data = data.translate(_STANDARD)
-    return image_url_part(f"data:{media_type};base64,{data}")
+    url = f"data:{media_type};base64,{data}"
+    RECENT_IMAGES.put(url, image)  # the canonical form reads this URL next: the image, read once
+    return image_url_part(url)
 
 
 def not_inline(where: str, what: str) -> BadRequest:
