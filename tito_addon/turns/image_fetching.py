@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -32,6 +33,46 @@ def _remote(value: Any) -> str | None:
     return value if isinstance(value, str) and value.startswith(("http://", "https://")) else None
 
 
+def _slots(value: Any) -> Iterator[tuple[dict[str, Any], str, str]]:
+    """Each image a request gives by URL, in each API's form: the object that holds it, the form, the URL."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _slots(item)
+        return
+    if not isinstance(value, dict):
+        return
+    kind = value.get("type")
+    if kind in ("image_url", "input_image"):  # chat: {"image_url": {"url"}} or a string; Responses: a string
+        wrapped = value.get("image_url")
+        url = _remote(wrapped.get("url") if isinstance(wrapped, dict) else wrapped)
+        if url is not None:
+            yield value, "image_url", url
+    source = value.get("source")
+    if kind == "image" and isinstance(source, dict) and source.get("type") == "url":  # Anthropic
+        url = _remote(source.get("url"))
+        if url is not None:
+            yield value, "source", url
+    for name in ("fileData", "file_data"):  # Gemini
+        data = value.get(name)
+        url = _remote(data.get("fileUri", data.get("file_uri"))) if isinstance(data, dict) else None
+        if url is not None:
+            yield value, name, url
+    for item in value.values():
+        yield from _slots(item)
+
+
+def _inline(holder: dict[str, Any], form: str, image: ChatImage) -> None:
+    """Put `image` inline where `holder` gave it by URL, in that API's inline form."""
+    if form == "image_url":
+        wrapped = holder["image_url"]
+        holder["image_url"] = {**wrapped, "url": image.data_url()} if isinstance(wrapped, dict) else image.data_url()
+    elif form == "source":
+        holder["source"] = {"type": "base64", "media_type": image.media_type, "data": image.base64()}
+    else:
+        del holder[form]
+        holder["inlineData"] = {"mimeType": image.media_type, "data": image.base64()}
+
+
 class ImageFetcher:
     """Fetches the images a request gives by URL and makes them inline; what it fetched, by URL, within a budget."""
 
@@ -49,50 +90,14 @@ class ImageFetcher:
             raw = orjson.loads(body)
         except orjson.JSONDecodeError:
             return body  # the request's own reading says what is wrong with it
-        urls: dict[str, None] = {}
-        self._walk(raw, urls, None)
-        if not urls:
+        slots = list(_slots(raw))
+        if not slots:
             return body
+        urls = list(dict.fromkeys(url for _, _, url in slots))
         images = dict(zip(urls, await asyncio.gather(*(self.image(url) for url in urls)), strict=True))
-        self._walk(raw, None, images)
+        for holder, form, url in slots:
+            _inline(holder, form, images[url])
         return orjson.dumps(raw)
-
-    def _walk(self, value: Any, found: dict[str, None] | None, images: dict[str, ChatImage] | None) -> None:
-        """Each image given by URL, in each API's form: collected into `found`, or (`images`) made inline."""
-        if isinstance(value, list):
-            for item in value:
-                self._walk(item, found, images)
-            return
-        if not isinstance(value, dict):
-            return
-        kind = value.get("type")
-        if kind in ("image_url", "input_image"):  # chat: {"image_url": {"url"}} or a string; Responses: a string
-            wrapped = value.get("image_url")
-            url = _remote(wrapped.get("url") if isinstance(wrapped, dict) else wrapped)
-            if url is not None and found is not None:
-                found[url] = None
-            elif url is not None and images is not None:
-                inline = images[url].data_url()
-                value["image_url"] = {**wrapped, "url": inline} if isinstance(wrapped, dict) else inline
-        source = value.get("source")
-        if kind == "image" and isinstance(source, dict) and source.get("type") == "url":  # Anthropic
-            url = _remote(source.get("url"))
-            if url is not None and found is not None:
-                found[url] = None
-            elif url is not None and images is not None:
-                image = images[url]
-                value["source"] = {"type": "base64", "media_type": image.media_type, "data": image.base64()}
-        for name in ("fileData", "file_data"):  # Gemini
-            data = value.get(name)
-            url = _remote(data.get("fileUri", data.get("file_uri"))) if isinstance(data, dict) else None
-            if url is not None and found is not None:
-                found[url] = None
-            elif url is not None and images is not None:
-                image = images[url]
-                del value[name]
-                value["inlineData"] = {"mimeType": image.media_type, "data": image.base64()}
-        for item in value.values():
-            self._walk(item, found, images)
 
     async def image(self, url: str) -> ChatImage:
         known = self._images.get(url)
