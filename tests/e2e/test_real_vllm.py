@@ -12,8 +12,6 @@ unless TITO_E2E_REQUIRED=1 (CI), where that is a failure.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -21,8 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 from support.basics import TOOLS, cached_engine, tokenizer_path
-from support.proxy_harness import REPO, Mitmdump
+from support.proxy_harness import Mitmdump
 from support.seed_reference import expected_seed
+from support.tito_commands import redrive
 from support.upstream_tap import UpstreamTap
 from support.vllm_cpu_server import VllmCpuServer, counters, require_venv
 
@@ -178,19 +177,13 @@ def test_ten_turn_tool_session_on_real_vllm_is_token_exact(vllm_url, tmp_path: P
     # Re-drive: score the recorded completions with prompt_logprobs on the same checkpoint. The rollouts were
     # sampled under the agent's regex (grammar-masked, so the sampled tokens had far higher probability than
     # the raw model gives them): re-drive must see that off-policy gap, as a positive KL estimate on every turn.
-    out = tmp_path / "redrive.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", "redrive", str(record_dir), "--backend", vllm_url,
-         "--backend-kind", "vllm", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    totals = json.loads(out.read_text())["totals"]
+    report = redrive(record_dir, vllm_url, tmp_path / "redrive.json", kind="vllm")
+    totals = report["totals"]
     print(f"\nredrive on the sampling checkpoint: {totals}")
     free_turns = read_session_file(record_dir / "free.jsonl").turns
     all_tokens = sum(len(t.completion_ids) for t in recorded.turns + free_turns)
     assert totals["turns"] == 11 and totals["tokens"] == all_tokens
-    turns = json.loads(out.read_text())["turns"]
+    turns = report["turns"]
     steered = [t for t in turns if t["session_id"] == "real"]
     (unconstrained,) = [t for t in turns if t["session_id"] == "free"]
     assert len(steered) == 10 and all(t["kl_estimate"] > 1.0 for t in steered), "grammar-masked rollouts are off-policy"

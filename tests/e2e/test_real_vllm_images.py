@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
@@ -22,7 +20,8 @@ import pytest
 from support.basics import tokenizer_path
 from support.images import IMAGE_PAD, png
 from support.images import image_url_part as part
-from support.proxy_harness import REPO, Mitmdump
+from support.proxy_harness import Mitmdump
+from support.tito_commands import redrive
 from support.upstream_tap import UpstreamTap
 from support.vllm_cpu_server import VL_VENV, VllmCpuServer, require_venv
 
@@ -109,14 +108,7 @@ def test_a_screenshot_loop_on_a_real_vision_language_vllm_is_token_exact(vllm_vl
 
     # Re-drive on the sampling checkpoint: each turn's ids scored with the features render makes of its images, placed
     # on the recorded ids; the model scores its own free samples alike (the images reached it where they were).
-    out = tmp_path / "redrive.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", "redrive", str(record_dir), "--backend", vllm_vl,
-         "--backend-kind", "vllm", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = redrive(record_dir, vllm_vl, tmp_path / "redrive.json", kind="vllm")
     print(f"\nredrive of the screenshot loop on the sampling checkpoint: {report['totals']}")
     assert report["totals"]["turns"] == 3
     assert all(turn["mean_abs_diff"] < 0.05 for turn in report["turns"]), report["turns"]

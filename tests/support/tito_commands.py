@@ -18,10 +18,12 @@ def replay_proxy(record_dir: Path, cwd: Path, *options: str) -> Mitmdump:
     return proxy
 
 
-def redrive(record_dir: Path, url: str, out: Path) -> dict:
+def redrive(record_dir: Path, url: str, out: Path, kind: str = "sglang") -> dict:
+    """`python -m tito_addon redrive` against `url` (a backend of `kind`), its JSON report."""
     result = subprocess.run(
-        [sys.executable, "-m", "tito_addon", "redrive", str(record_dir), "--backend", url, "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "tito_addon", "redrive", str(record_dir), "--backend", url, "--backend-kind", kind,
+         "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "total:" in result.stdout

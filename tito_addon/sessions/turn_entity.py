@@ -77,7 +77,7 @@ def image_span(value: Any) -> ImageSpan:
     if isinstance(value, ImageSpan):
         return value
     fields = value if isinstance(value, dict) else value.model_dump()
-    return ImageSpan(**{name: fields[name] for name in ImageSpan.__slots__})  # type: ignore[attr-defined]
+    return ImageSpan(**{f.name: fields[f.name] for f in dataclasses.fields(ImageSpan)})
 
 
 #: The fields a turn's record line carries under their own names, in `Turn`'s order.
