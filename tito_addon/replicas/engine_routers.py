@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from tito_addon.replicas.fleet import LoggedServer, free_port
 
@@ -36,6 +36,19 @@ class EngineRouter(LoggedServer):
             return status, json.loads(raw) if raw else None
         except ValueError:
             return status, raw.decode(errors="replace")
+
+    engines: list[str]
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Started once it routes to every engine it was given: a router listens before it has read its engines'
+        facts and health (smg answers 404 until then), and a test's first request must not race that."""
+        super().start(timeout)
+        try:
+            self._wait(lambda: set(self.engines) <= set(self.engines_routed()), timeout, "not every engine joined")
+        except TimeoutError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}\n{self.output()}") from exc
+        return self
 
     def engines_routed(self) -> list[str]:
         raise NotImplementedError
