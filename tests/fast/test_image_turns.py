@@ -414,7 +414,8 @@ def test_a_screenshot_session_shows_and_replays_with_no_backend(tmp_path: Path) 
     [image] = first.images
     view = turn_text(turn_tokens(first, cached_tokenizer("qwen2.5")))
     last = image.offset + image.length - 1
-    assert f"{image.offset:>7}  {IMAGE_PAD:>7}  ⟦<|image_pad|>⟧ × {image.length} (to {last})" in view
+    named = f"image {image.sha256[:12]} 100×60 png"
+    assert f"{image.offset:>7}  {IMAGE_PAD:>7}  ⟦<|image_pad|>⟧ × {image.length} (to {last})  {named}\n" in view
     assert view.count("<|image_pad|>") == 1
     with replay_proxy(record_dir, tmp_path) as proxy:
         for messages, answer in zip(asked, answers, strict=True):

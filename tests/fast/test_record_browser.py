@@ -29,6 +29,7 @@ from support.chat_agent import agent, run_agent
 from support.episode_scripts import SUBAGENT_PROMPT, claude_code_episode
 from support.headless_chromium import HeadlessChromium, Page, chromium_binary
 from support.proxy_harness import REPO, get
+from support.record_view import running_view, shown, texts
 
 from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import iter_session_files, read_session
@@ -82,25 +83,6 @@ def view_server(recorded) -> Iterator[str]:
         yield url
 
 
-class running_view:
-    """`python -m tito_addon view DIR --port 0` as a process; its URL read from what it prints."""
-
-    def __init__(self, record_dir: Path) -> None:
-        argv = [sys.executable, "-m", "tito_addon", "view", str(record_dir), "--port", "0"]
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def __enter__(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
-        assert found, f"view printed {line!r}"
-        return found.group(0).rstrip("/")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
-
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory) -> Iterator[HeadlessChromium]:
     with HeadlessChromium(tmp_path_factory.mktemp("chromium")) as running:
@@ -114,23 +96,11 @@ def page(browser) -> Iterator[Page]:
     opened.close()
 
 
-def shown(page: Page, url: str) -> None:
-    """Go to `url` (a new address or only a new fragment) and wait until the page has drawn it."""
-    page.navigate(url)
-    fragment = url.split("#", 1)[1] if "#" in url else "/"
-    page.wait_for(f"document.body.dataset.ready === {json.dumps('#' + fragment)}", timeout=20)
-
-
 def redrawn(page: Page, action) -> None:
     """Do `action` (a click, a filter) and wait until the page has drawn the address it leads to."""
     page.evaluate("document.body.dataset.ready = 'pending'")
     action()
     page.wait_for("document.body.dataset.ready && document.body.dataset.ready !== 'pending'", timeout=20)
-
-
-def texts(page: Page, selector: str, attribute: str | None = None) -> list:
-    what = f"e.getAttribute({json.dumps(attribute)})" if attribute else "e.textContent"
-    return page.evaluate(f"[...document.querySelectorAll({json.dumps(selector)})].map(e => {what})")
 
 
 def screenshot(page: Page, name: str, tmp_path: Path) -> bytes:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tito_addon.records.episode_segments import Segment
+from tito_addon.records.image_store import STORE_DIR
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, merge_parts, session_parts
 from tito_addon.records.rollout_groups import EpisodeView, auto_group_of, episode_views, prompt_ids_of
@@ -155,7 +156,9 @@ class RecordCatalog:
             if plain:
                 found[name] = plain
         for entry in sorted(self.record_dir.iterdir()):
-            # Not a session file; a dot file (the proxy's signing key) is the dir's own business.
+            # Not a session file; a dot file (the proxy's signing key) and the image store are the dir's own business.
+            if entry.name == STORE_DIR and entry.is_dir() and not entry.is_symlink():
+                continue
             if not entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
                 skipped.foreign.append(entry.name + ("/" if entry.is_dir() else ""))
         reads, stamps = self._reads.refresh(found)

@@ -13,13 +13,13 @@ replacement character in each: what the model sampled, not a re-merged text.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from tito_addon.records.episode_segments import Segment
-from tito_addon.records.record_models import Follows, TurnRecord
+from tito_addon.records.record_models import Follows, RecordedImage, TurnRecord
 
 
 class TokenRun(BaseModel):
@@ -62,6 +62,7 @@ class TurnTokens(BaseModel):
     prompt_len: int
     prompt_added: TokenRun
     completion: TokenRun
+    images: list[RecordedImage] = []  # the images this turn's prompt added, each at its run of pads
 
 
 def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -113,6 +114,7 @@ def turn_tokens(turn: TurnRecord, tokenizer: Any | None = None, *, segment: Segm
         prompt_len=turn.prompt_len,
         prompt_added=prompt,
         completion=completion,
+        images=list(turn.images or ()),
     )
 
 
@@ -144,8 +146,11 @@ def shown_text(text: str) -> str:
 RUN_SHOWN_WHOLE = 8
 
 
-def _token_lines(run: TokenRun, sampled: bool, turn_version: str | None = None) -> list[str]:
+def _token_lines(
+    run: TokenRun, sampled: bool, turn_version: str | None = None, images: Sequence[RecordedImage] = ()
+) -> list[str]:
     specials = set(run.special)
+    image_at = {image.offset: image for image in images}
     out = []
     offset = 0
     while offset < len(run.ids):
@@ -158,7 +163,9 @@ def _token_lines(run: TokenRun, sampled: bool, turn_version: str | None = None) 
                 end += 1
             if end - offset >= RUN_SHOWN_WHOLE:
                 last = run.start + end - 1
-                out.append(f"{run.start + offset:>7}  {token:>7}  {shown} × {end - offset} (to {last})")
+                image = image_at.get(run.start + offset)
+                named = f"  image {image.sha256[:12]} {image.width}×{image.height} {image.format}" if image else ""
+                out.append(f"{run.start + offset:>7}  {token:>7}  {shown} × {end - offset} (to {last}){named}")
                 offset = end
                 continue
         if sampled and run.logprobs is not None:
@@ -202,7 +209,7 @@ def turn_text(view: TurnTokens) -> str:
     legend = "shade by probability: blank >= 0.9, ░ >= 0.5, ▒ >= 0.1, ▓ >= 0.01, █ below; ⟦special⟧"
     lines = [*head, "", f"── prompt, the part this turn added (positions {view.prompt_added.start}-"
                         f"{view.prompt_len - 1}) ──"]  # fmt: skip
-    lines += _token_lines(view.prompt_added, sampled=False) or ["  (none)"]
+    lines += _token_lines(view.prompt_added, sampled=False, images=view.images) or ["  (none)"]
     lines += ["", f"── completion ({legend}) ──", "    pos  shade   log-prob       id  text"]
     lines += _token_lines(view.completion, sampled=True, turn_version=view.weight_version) or ["  (none)"]
     return "\n".join(lines) + "\n"

@@ -3,8 +3,9 @@
 The page is one HTML file with its script and style inlined (`browser_assets/`): no build step, no CDN, nothing
 fetched but this server's JSON. The server answers only what the catalog knows: a session or an episode is looked
 up by its id among those read from the dir, and the files read are the catalog's own paths, so no URL can name a
-file, in the dir or outside it. Every answer is JSON (an error with a 4xx) except the page itself and a branch's
-drift audit page.
+file, in the dir or outside it. Every answer is JSON (an error with a 4xx) except the page itself, a branch's
+drift audit page, and an image a turn shows: a file of the record dir's image store, named by its digest and format
+(the only names the store holds), a regular file whose bytes match that digest.
 
 A turn's tokens are read on demand from its session's files; a tokenizer names them when one is at hand: `--tokenizer`,
 else the record's own when it names a local directory (never a download, never remote code).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import html
 import json
 import logging
@@ -28,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tito_addon.engine.tokenizer_loading import RecordTokenizers
 from tito_addon.records.episode_graph import episode_graph, group_view
+from tito_addon.records.image_store import ImageStore
 from tito_addon.records.record_catalog import SORTABLE, Catalog, EpisodeFilter, RecordCatalog, facets
 from tito_addon.records.record_models import CALLS, TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, merge_parts
@@ -201,14 +204,40 @@ class RecordBrowser:
             raise ViewError(f"turn {leaf} of session {session_id[:200]!r} ends no branch", 404)
         return render_page(session_file, audits[0], tokenizer)
 
+    def image(self, file_name: str) -> tuple[bytes, str]:
+        """A stored image's bytes and media type."""
+        store = ImageStore(self.record_dir)
+        try:
+            path = store.path(file_name)
+        except ValueError as exc:
+            raise ViewError(f"{file_name[:100]!r} names no image: images are named <sha256>.<format>", 400) from exc
+        if path.is_symlink() or not path.is_file():
+            raise ViewError(f"no image {file_name} in this record dir", 404)
+        try:
+            data = store.read(file_name)
+        except OSError as exc:
+            raise ViewError(f"cannot read image {file_name}: {exc}", 409) from exc
+        return data, "image/" + file_name.rsplit(".", 1)[1]
+
     def episode_bundle(self, episode: str) -> dict[str, Any]:
-        """Everything the page shows of one episode, for a file that asks no server."""
+        """Everything the page shows of one episode, for a file that asks no server: its turns' images inlined, each
+        once (an image the store lacks is left out and the page says so)."""
         graph = self.episode(episode)
         turns = {}
+        images: dict[str, str] = {}
         for tree in graph["trees"]:
             for node in tree["turns"]:
-                turns[f"{tree['session']}/{node['turn_id']}"] = self.turn(tree["session"], node["turn_id"])
-        return {"episode": graph, "turns": turns, "group": self.group(graph["group"])}
+                turn = self.turn(tree["session"], node["turn_id"])
+                turns[f"{tree['session']}/{node['turn_id']}"] = turn
+                for image in turn["tokens"]["images"]:
+                    name = f"{image['sha256']}.{image['format']}"
+                    if name not in images:
+                        try:
+                            data, media_type = self.image(name)
+                        except ViewError:
+                            continue
+                        images[name] = f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+        return {"episode": graph, "turns": turns, "group": self.group(graph["group"]), "images": images}
 
 
 # The turn's record as the page's "record" panel shows it: without what the token view already shows in full.
@@ -292,6 +321,16 @@ def browser_app(browser: RecordBrowser) -> web.Application:
     async def turn(request: web.Request) -> web.Response:
         return await answer(lambda: browser.turn(one(request, "session"), number(request, "turn")))
 
+    async def image(request: web.Request) -> web.Response:
+        try:
+            data, media_type = await asyncio.to_thread(browser.image, request.match_info["name"])
+        except ViewError as exc:
+            return error_response(str(exc), exc.status)
+        # Never read as anything but the image it is (no sniffing), and cached: its name is its content's digest.
+        headers = {"x-content-type-options": "nosniff", "cache-control": "private, max-age=31536000, immutable",
+                   "content-security-policy": "default-src 'none'"}  # fmt: skip
+        return web.Response(body=data, content_type=media_type, headers=headers)
+
     async def audit(request: web.Request) -> web.Response:
         try:
             text = await asyncio.to_thread(lambda: browser.audit_page(one(request, "session"), number(request, "leaf")))
@@ -314,6 +353,7 @@ def browser_app(browser: RecordBrowser) -> web.Application:
     app.router.add_get("/api/group", group)
     app.router.add_get("/api/turn", turn)
     app.router.add_get("/audit", audit)
+    app.router.add_get("/image/{name}", image)
     return app
 
 

@@ -292,27 +292,69 @@ function shadeOf(logprob) {
   return "rgba(255, 196, 0, " + (0.15 + 0.75 * (1 - probability)).toFixed(3) + ")";
 }
 
-function tokenRun(run, sampled, turnVersion) {
+// A prompt run of one special token at least this long is one element (turn_tokens.RUN_SHOWN_WHOLE): an image's
+// hundreds of pads, shown with the image they stand for.
+const RUN_SHOWN_WHOLE = 8;
+
+function imageSource(name) {
+  if (!BUNDLE) return "/image/" + name;
+  return (BUNDLE.images || {})[name] || null;
+}
+
+function imageFigure(image) {
+  const name = image.sha256 + "." + image.format;
+  const src = imageSource(name);
+  const caption = "image " + image.sha256.slice(0, 12) + " · " + image.width + "×" + image.height + " " + image.format +
+    " · " + image.length + " tokens at " + image.offset + "–" + (image.offset + image.length - 1) +
+    (src ? "" : " · not in this file");
+  return el("figure", { class: "turn-image", "data-sha256": image.sha256 },
+    src ? el("img", { src, alt: caption, title: caption }) : null, el("figcaption", {}, caption));
+}
+
+function tokenRun(run, sampled, turnVersion, images) {
   const special = new Set(run.special);
-  return run.ids.map((id, k) => {
-    const text = run.texts ? run.texts[k] : "⟨" + id + "⟩";
-    const attrs = { class: "tok " + (sampled ? "sampled" : "prompt") + (special.has(k) ? " special" : ""),
-      "data-id": id, "data-pos": run.start + k };
-    let title = "id " + id + " · position " + (run.start + k);
-    if (sampled) {
-      const logprob = run.logprobs[k];
-      attrs["data-logprob"] = logprob;
-      attrs.style = "background:" + shadeOf(logprob);
-      title += " · log-prob " + logprob.toFixed(4) + " · p " + Math.exp(logprob).toFixed(3);
-      const version = run.weight_versions ? run.weight_versions[k] : null;
-      if (version !== null && version !== undefined) {
-        attrs["data-weight"] = version;
-        title += " · weights " + version + (version !== turnVersion ? " (not the turn's last)" : "");
+  const imageAt = new Map((images || []).map((image) => [image.offset, image]));
+  const out = [];
+  for (let k = 0; k < run.ids.length; k++) {
+    const id = run.ids[k];
+    if (!sampled && special.has(k)) {
+      let end = k;
+      while (end < run.ids.length && run.ids[end] === id) end++;
+      if (end - k >= RUN_SHOWN_WHOLE) {
+        const image = imageAt.get(run.start + k);
+        if (image) out.push(imageFigure(image));
+        const text = run.texts ? run.texts[k] : "⟨" + id + "⟩";
+        out.push(el("span", { class: "tok prompt special run", "data-id": id, "data-pos": run.start + k,
+          "data-count": end - k, title: "id " + id + " × " + (end - k) + " · positions " + (run.start + k) + "–" +
+          (run.start + end - 1) }, text + " × " + (end - k)));
+        k = end - 1;
+        continue;
       }
     }
-    attrs.title = title;
-    return el("span", attrs, text.replace(/\n/g, "↵\n"));
-  });
+    out.push(tokenSpan(run, sampled, turnVersion, special, k));
+  }
+  return out;
+}
+
+function tokenSpan(run, sampled, turnVersion, special, k) {
+  const id = run.ids[k];
+  const text = run.texts ? run.texts[k] : "⟨" + id + "⟩";
+  const attrs = { class: "tok " + (sampled ? "sampled" : "prompt") + (special.has(k) ? " special" : ""),
+    "data-id": id, "data-pos": run.start + k };
+  let title = "id " + id + " · position " + (run.start + k);
+  if (sampled) {
+    const logprob = run.logprobs[k];
+    attrs["data-logprob"] = logprob;
+    attrs.style = "background:" + shadeOf(logprob);
+    title += " · log-prob " + logprob.toFixed(4) + " · p " + Math.exp(logprob).toFixed(3);
+    const version = run.weight_versions ? run.weight_versions[k] : null;
+    if (version !== null && version !== undefined) {
+      attrs["data-weight"] = version;
+      title += " · weights " + version + (version !== turnVersion ? " (not the turn's last)" : "");
+    }
+  }
+  attrs.title = title;
+  return el("span", attrs, text.replace(/\n/g, "↵\n"));
 }
 
 function messageBox(message, extra) {
@@ -342,7 +384,7 @@ async function turnView(session, turn) {
   } }), " show ids");
   const tokens = el("div", { class: "tokens", id: "tokens" },
     el("span", { class: "run-head" }, "prompt: the " + t.prompt_added.ids.length + " tokens this turn added (positions " + t.prompt_added.start + "–" + (t.prompt_len - 1) + " of " + t.prompt_len + ")"),
-    tokenRun(t.prompt_added, false),
+    tokenRun(t.prompt_added, false, null, t.images),
     el("span", { class: "run-head" }, "completion: " + t.completion.ids.length + " sampled tokens, shaded by log-prob (the less likely, the darker)"),
     tokenRun(t.completion, true, t.weight_version));
   const appended = data.appended_messages ? data.appended_messages.map((m) => messageBox(m, "appended"))
