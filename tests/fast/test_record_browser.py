@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -29,7 +28,7 @@ from support.chat_agent import agent, run_agent
 from support.episode_scripts import SUBAGENT_PROMPT, claude_code_episode
 from support.headless_chromium import HeadlessChromium, Page, chromium_binary
 from support.proxy_harness import REPO, get
-from support.record_view import running_view, shown, texts
+from support.record_view import running_view, screenshot, shown, texts
 
 from tito_addon.client import TitoClient
 from tito_addon.records.record_reader import iter_session_files, read_session
@@ -101,16 +100,6 @@ def redrawn(page: Page, action) -> None:
     page.evaluate("document.body.dataset.ready = 'pending'")
     action()
     page.wait_for("document.body.dataset.ready && document.body.dataset.ready !== 'pending'", timeout=20)
-
-
-def screenshot(page: Page, name: str, tmp_path: Path) -> bytes:
-    png = page.screenshot(tmp_path / name)
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    keep = os.environ.get("TITO_SCREENSHOTS")
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        shutil.copy(tmp_path / name, Path(keep) / name)
-    return png
 
 
 def export_rows(record_dir: Path, tmp_path: Path) -> list[dict]:

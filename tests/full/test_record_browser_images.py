@@ -19,7 +19,7 @@ import pytest
 from support.headless_chromium import HeadlessChromium, chromium_binary
 from support.images import IMAGE_PAD, png, screenshot_session
 from support.proxy_harness import REPO, get
-from support.record_view import running_view, shown, texts
+from support.record_view import running_view, screenshot, shown, texts
 
 from tito_addon.records.record_reader import read_session
 
@@ -85,8 +85,11 @@ def test_a_turns_screenshot_is_drawn_at_its_run_of_pads(recorded: Path, browser:
             )
             # On screen: the screenshot's blue, at its own size; the first turn's red is not in this turn.
             page.evaluate("document.querySelector('#tokens figure.turn-image').scrollIntoView({block: 'start'})")
-            facts = browser.image_facts(page.screenshot(tmp_path / "turn.png"), {"blue": BLUE, "red": RED}, within=3)
+            drawn = screenshot(page, "browser-image-turn.png", tmp_path)
+            facts = browser.image_facts(drawn, {"blue": BLUE, "red": RED}, within=3)
             assert facts.near["blue"] >= 100 * 160 * 0.95 and facts.near["red"] == 0, facts
+            messages = page.evaluate("document.querySelector('.messages').textContent")
+            assert f"[image {image.sha256[:12]} 100×160]" in messages and "And now?" in messages
             served = get(figure["src"])
             assert served.status_code == 200 and served.content == SHOTS[1]
             assert served.headers["content-type"] == "image/png"

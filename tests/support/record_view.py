@@ -4,7 +4,9 @@ drawn and read in headless Chromium."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,13 @@ def shown(page: Page, url: str) -> None:
 def texts(page: Page, selector: str, attribute: str | None = None) -> list:
     what = f"e.getAttribute({json.dumps(attribute)})" if attribute else "e.textContent"
     return page.evaluate(f"[...document.querySelectorAll({json.dumps(selector)})].map(e => {what})")
+
+
+def screenshot(page: Page, name: str, tmp_path: Path) -> bytes:
+    png = page.screenshot(tmp_path / name)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    keep = os.environ.get("TITO_SCREENSHOTS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / name, Path(keep) / name)
+    return png

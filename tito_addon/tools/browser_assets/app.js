@@ -357,11 +357,20 @@ function tokenSpan(run, sampled, turnVersion, special, k) {
   return el("span", attrs, text.replace(/\n/g, "↵\n"));
 }
 
+// A content part as text; an image part (a record line names it by digest) as the digest its drawing has above.
+function partText(part) {
+  if (part && typeof part.text === "string") return part.text;
+  if (part && part.type === "image" && typeof part.sha256 === "string") {
+    return "[image " + part.sha256.slice(0, 12) + " " + part.width + "×" + part.height + "]";
+  }
+  return "[" + (part && part.type) + "]";
+}
+
 function messageBox(message, extra) {
   const content = message.content;
   let text = "";
   if (typeof content === "string") text = content;
-  else if (Array.isArray(content)) text = content.map((p) => (p && typeof p.text === "string" ? p.text : "[" + (p && p.type) + "]")).join("\n");
+  else if (Array.isArray(content)) text = content.map(partText).join("\n");
   const calls = (message.tool_calls || []).map((c) => "→ " + (c.function || {}).name + "(" + (typeof (c.function || {}).arguments === "string" ? c.function.arguments : JSON.stringify((c.function || {}).arguments)) + ")");
   return el("div", { class: "message", dataset: { role: message.role || "assistant" } },
     el("div", { class: "role" }, (message.role || "assistant") + (extra ? " · " + extra : "") + (message.tool_call_id ? " · answers " + message.tool_call_id : "")),
