@@ -3,7 +3,8 @@ run of image pads is one element, with the screenshot it stands for drawn from t
 by headless Chromium, pixels checked), and a one-episode file inlines each image once and fetches nothing.
 
 The image route serves only the store's own names, each a regular file whose bytes match its digest: a name that is not
-a digest and a format, a path out of the store, a missing image, a link and a tampered file are each a 4xx.
+a digest and a format, a path out of the store, a missing image, a link (or a store that is one) and a tampered file
+are each a 4xx.
 """
 
 from __future__ import annotations
@@ -125,6 +126,13 @@ def test_only_the_stores_own_images_are_served(recorded: Path, tmp_path: Path) -
             assert answer.status_code == status or (status is None and 400 <= answer.status_code < 500), (
                 path, answer.status_code, answer.text)  # fmt: skip
             assert answer.json()["error"]["message"] and answer.content != SHOTS[0]
+    # A store that is itself a link is not the dir's own: none of its images is served.
+    linked = tmp_path / "linked"
+    shutil.copytree(recorded, linked)
+    shutil.move(linked / "images", tmp_path / "elsewhere")
+    (linked / "images").symlink_to(tmp_path / "elsewhere")
+    with running_view(linked) as url:
+        assert get(f"{url}/image/{second}").status_code == 404
 
 
 def test_one_episode_as_a_file_holds_each_image_once(recorded: Path, browser: HeadlessChromium, tmp_path) -> None:

@@ -21,6 +21,8 @@ from tito_addon.replicas.fleet import LoggedServer, free_port
 class EngineRouter(LoggedServer):
     """A router in front of engines: what a test asks of it (which engines it routes to; add and remove one)."""
 
+    engines: list[str]  # the engines it was started with
+
     def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.url + path, data=data, method=method)
@@ -36,8 +38,6 @@ class EngineRouter(LoggedServer):
             return status, json.loads(raw) if raw else None
         except ValueError:
             return status, raw.decode(errors="replace")
-
-    engines: list[str]
 
     def start(self, timeout: float = 30.0) -> Self:
         """Started once it routes to every engine it was given: a router listens before it has read its engines'

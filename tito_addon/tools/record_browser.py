@@ -211,7 +211,7 @@ class RecordBrowser:
             path = store.path(file_name)
         except ValueError as exc:
             raise ViewError(f"{file_name[:100]!r} names no image: images are named <sha256>.<format>", 400) from exc
-        if path.is_symlink() or not path.is_file():
+        if store.root.is_symlink() or path.is_symlink() or not path.is_file():  # the dir's own files, never a link
             raise ViewError(f"no image {file_name} in this record dir", 404)
         try:
             data = store.read(file_name)
