@@ -72,10 +72,11 @@ class ChatImage:
 
 
 class RecentImages:
-    """Images read lately, by the text they were read from (a data URL, or bare base64), within a budget of their
-    bytes. One request reads a new image in more than one place: an API's translation checks it in the agent's own
-    terms, the canonical form reads its data URL, the record names it by digest. Each reads the same text, so the
-    image is decoded, checked and digested once (a PNG's check inflates all of its rows)."""
+    """Images read lately, by the text they were read from (a data URL, bare base64, or a URL the fetcher read them
+    from), within a budget of their bytes, the least recently used dropped first. One request reads a new image in
+    more than one place: an API's translation checks it in the agent's own terms, the canonical form reads its data
+    URL, the record names it by digest. Each reads the same text, so the image is decoded, checked and digested once
+    (a PNG's check inflates all of its rows)."""
 
     def __init__(self, budget_bytes: int = 64 * 1024 * 1024) -> None:
         self.budget_bytes = budget_bytes
@@ -89,12 +90,16 @@ class RecentImages:
         return image
 
     def put(self, text: str, image: ChatImage) -> ChatImage:
-        if text not in self._images:
-            self._images[text] = image
-            self.used_bytes += len(image.data)
-            while self.used_bytes > self.budget_bytes and len(self._images) > 1:
-                _, dropped = self._images.popitem(last=False)
-                self.used_bytes -= len(dropped.data)
+        """The image kept for `text`: the one already there, if any (a URL two requests fetched at once stays the
+        first one's image), else `image`."""
+        kept = self._images.get(text)
+        if kept is not None:
+            return kept
+        self._images[text] = image
+        self.used_bytes += len(image.data)
+        while self.used_bytes > self.budget_bytes and len(self._images) > 1:
+            _, dropped = self._images.popitem(last=False)
+            self.used_bytes -= len(dropped.data)
         return image
 
 

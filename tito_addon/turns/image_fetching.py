@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import orjson
 
-from tito_addon.chat_images import MAX_IMAGE_BYTES, ChatImage, ImageRefused, image_from_bytes
+from tito_addon.chat_images import MAX_IMAGE_BYTES, ChatImage, ImageRefused, RecentImages, image_from_bytes
 from tito_addon.tito_errors import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -77,10 +76,8 @@ class ImageFetcher:
     """Fetches the images a request gives by URL and makes them inline; what it fetched, by URL, within a budget."""
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        self.budget_bytes = budget_bytes
-        self.used_bytes = 0
         self.fetched = 0  # URLs fetched (a test can tell a fetch from a hit)
-        self._images: OrderedDict[str, ChatImage] = OrderedDict()
+        self._images = RecentImages(budget_bytes)  # by URL
 
     async def inlined(self, body: bytes) -> bytes:
         """`body` with every image it gives by URL inline; as it is when it gives none."""
@@ -102,7 +99,6 @@ class ImageFetcher:
     async def image(self, url: str) -> ChatImage:
         known = self._images.get(url)
         if known is not None:
-            self._images.move_to_end(url)
             return known
         data = await self._get(url)
         try:
@@ -110,12 +106,7 @@ class ImageFetcher:
         except ImageRefused as exc:
             raise BadRequest(f"the image at {url[:200]} cannot be passed on: {exc}; nothing was forwarded") from None
         self.fetched += 1
-        self._images[url] = image
-        self.used_bytes += len(image.data)
-        while self.used_bytes > self.budget_bytes and len(self._images) > 1:
-            _, dropped = self._images.popitem(last=False)
-            self.used_bytes -= len(dropped.data)
-        return image
+        return self._images.put(url, image)
 
     async def _get(self, url: str) -> bytes:
         """The URL's bytes: a 200 within the size limit, no credentials of the agent's sent along."""
