@@ -26,9 +26,11 @@ from support.tito_commands import redrive, replay_proxy, run_cli
 
 from tito_addon.engine.vision_tokens import QWEN2_5_VL, QWEN3_VL
 from tito_addon.records.record_reader import read_session
+from tito_addon.records.row_images import MissingImage
 from tito_addon.records.turn_tokens import turn_text, turn_tokens
 from tito_addon.replicas.sglang_replica import ReplicaConfig, ReplicaThread
 from tito_addon.replicas.vllm_replica import VllmReplicaConfig, VllmReplicaThread
+from tito_addon.tools.redrive import recorded_images
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "tito_addon/engine/chat_templates/qwen2_5_vl_tools.jinja"
 BACKENDS = ["sglang-0.5.23", "vllm-0.32.0", "vllm-0.24.0"]
@@ -478,6 +480,13 @@ def test_redrive_scores_a_screenshot_session_with_its_images(tmp_path: Path) -> 
         assert all(turn["kl_estimate"] == pytest.approx(shift) for turn in report["turns"])
         assert [len(body["image_data"]) for body in bodies] == [1, 2]
         assert [body["input_ids"].count(IMAGE_PAD) for body in bodies] == [1, 2]
+    # An image gone from the store: the turns that hold it cannot be scored (nor exported: the same reading).
+    (record_dir / "images" / f"{hashlib.sha256(shots[1]).hexdigest()}.png").unlink()
+    session = read_session(record_dir, "scored")
+    assert session is not None
+    assert [image.length for image in recorded_images(session, session.turns[0])] == [session.turns[0].images[0].length]
+    with pytest.raises(MissingImage, match=f"turn 1 of scored: image {hashlib.sha256(shots[1]).hexdigest()}.png"):
+        recorded_images(session, session.turns[1])
 
 
 def test_qwen3_vl_screenshots_in_tool_results_are_token_exact(tmp_path: Path) -> None:

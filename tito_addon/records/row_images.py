@@ -1,4 +1,5 @@
-"""A row's images, as the export's layouts carry them: read from the record dir's image store, in prompt order.
+"""A row's images, as the export's layouts carry them (and a turn's, as re-drive sends them): read from the record
+dir's image store, in prompt order, each checked against its digest.
 
 Rows are self-contained (an export is moved, sent, read where the record dir is not), so each carries its images'
 bytes, as the agent sent them: what the engine saw, and what the trainers' own processors read again.
@@ -10,7 +11,7 @@ from typing import Any
 
 from tito_addon.records.image_store import ImageStore
 from tito_addon.records.record_models import RecordedImage
-from tito_addon.records.record_reader import RecordError
+from tito_addon.records.record_reader import RecordError, SessionFile
 from tito_addon.records.segment_branches import Branch
 
 
@@ -18,14 +19,12 @@ class MissingImage(RecordError):
     """An image a row's ids hold is not in the record dir's image store (or is not the bytes its name says)."""
 
 
-def row_images(branch: Branch) -> list[tuple[RecordedImage, bytes]]:
-    """The row's images with their bytes, from the record dir's image store; an image not there is an ExportError:
-    a row whose pad ids have no pixels cannot be trained on."""
-    images = branch.images()
+def stored_images(session: SessionFile, images: list[RecordedImage], who: str) -> list[tuple[RecordedImage, bytes]]:
+    """`images` (of `session`'s lines) with their bytes from its record dir's image store, each checked against its
+    digest; one not there is a `MissingImage`: ids whose pad ids have no pixels can be neither scored nor trained on."""
     if not images:
         return []
-    assert branch.session is not None
-    store = ImageStore(branch.session.path.parent)
+    store = ImageStore(session.path.parent)
     out = []
     for image in images:
         name = f"{image.sha256}.{image.format}"
@@ -33,10 +32,16 @@ def row_images(branch: Branch) -> list[tuple[RecordedImage, bytes]]:
             out.append((image, store.read(name)))
         except OSError as exc:
             raise MissingImage(
-                f"session {branch.path[-1].session_id}: image {name} is not in {store.root} ({exc}); the rows need "
-                "every image their ids hold"
+                f"{who}: image {name} is not in {store.root} ({exc}); every image its ids hold is needed"
             ) from None
     return out
+
+
+def row_images(branch: Branch) -> list[tuple[RecordedImage, bytes]]:
+    """The row's images with their bytes, in prompt order."""
+    if branch.session is None:
+        return []
+    return stored_images(branch.session, branch.images(), f"session {branch.path[-1].session_id}")
 
 
 def images_column(branch: Branch) -> list[dict[str, Any]]:

@@ -19,10 +19,10 @@ from tito_addon.backends.image_features import placed_features
 from tito_addon.backends.upstream_client import UpstreamClient
 from tito_addon.chat_images import ImageRefused, PromptImage, image_from_bytes
 from tito_addon.engine.vision_tokens import collapse_runs
-from tito_addon.records.image_store import ImageStore
 from tito_addon.records.record_models import TurnRecord
 from tito_addon.records.record_reader import RecordError, SessionFile, iter_session_files
 from tito_addon.records.recorded_routes import routes_summary
+from tito_addon.records.row_images import stored_images
 from tito_addon.tito_errors import UpstreamMalformed, UpstreamPassthrough
 
 
@@ -184,17 +184,16 @@ class Scorer:
         return placed_features(rendered.get("features"), images)
 
 
-def prompt_images(session_file: SessionFile, record: TurnRecord) -> list[PromptImage]:
+def recorded_images(session_file: SessionFile, record: TurnRecord) -> list[PromptImage]:
     """The images of a recorded turn's prompt, with their bytes from its record dir's image store."""
     placed = session_file.sequence_images().get(record.turn_id) or []
-    store = ImageStore(session_file.path.parent)
+    who = f"turn {record.turn_id} of {record.session_id}"
     out = []
-    for image in placed:
+    for image, data in stored_images(session_file, placed, who):
         try:
-            data = store.read(f"{image.sha256}.{image.format}")
             out.append(PromptImage(image_from_bytes(data), image.offset, image.length))
-        except (OSError, ImageRefused) as exc:
-            raise RecordError(f"turn {record.turn_id} of {record.session_id}: image {image.sha256}: {exc}") from None
+        except ImageRefused as exc:
+            raise RecordError(f"{who}: image {image.sha256}: {exc}") from None
     return out
 
 
@@ -204,7 +203,7 @@ async def redrive(record_dir: Path, scorer: Scorer, progress: Callable[[], None]
         ids = session_file.full_ids()
         for record in session_file.turns:
             prompt, completion = ids[record.turn_id]
-            images = prompt_images(session_file, record)
+            images = recorded_images(session_file, record)
             scored = gap(record, await scorer.score(record, prompt, completion, images))
             if record.routed_experts is not None:
                 scored = dataclasses.replace(scored, routes=routes_summary(session_file, record.turn_id))
